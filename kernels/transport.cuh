@@ -1,0 +1,236 @@
+// Device side of the single-process transport: the per-device symmetric area and the primitives
+// every communicating kernel uses (epochs, address mailboxes, bounded cross-GPU barriers).
+//
+// One process drives all GPUs of an EP group. Each device of the group owns one `PeerArea`
+// (plugin `cudaMalloc` memory, zeroed at creation); every kernel receives a `GroupView` by value
+// holding the device addresses of all R areas, so peer memory is reached with plain UVA pointers
+// over NVLink. Nothing here knows XLA or JAX; the host side lives in xla_ffi/transport.{h,cc}.
+//
+// NOTE: every cross-GPU wait in the project goes through `barrier`, so it is the only place that
+// spins, and it is bounded by `GroupView::timeout_ns`.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+
+namespace moonep {
+
+// Largest EP group. The barrier arrives with one thread per peer inside the first warp, and the
+// planner keeps per-rank values in warp lanes, so this must stay <= 32; 8 covers one NVLink node.
+constexpr int kMaxRanks = 8;
+static_assert(kMaxRanks <= 32, "barrier/planner use one lane per rank of a single warp");
+
+// Ops that communicate. Each op owns kBarriersPerOp barrier slots, kMailboxesPerOp mailbox slots
+// and one epoch counter, so ops never share a slot by accident.
+enum OpSlot : int {
+  kOpPlan = 0,
+  kOpDispatch = 1,
+  kOpCombine = 2,
+  kOpCombineWeights = 3,
+  kOpPrefetch = 4,
+  kOpReduceGrad = 5,
+  kNumOpSlots = 8,  // room for two more ops
+};
+constexpr int kBarriersPerOp = 4;
+constexpr int kMailboxesPerOp = 4;
+constexpr int kMaxBarrierSlots = kNumOpSlots * kBarriersPerOp;
+constexpr int kMaxMailboxSlots = kNumOpSlots * kMailboxesPerOp;
+
+__host__ __device__ constexpr int barrier_slot(int op_slot, int i) {
+  return op_slot * kBarriersPerOp + i;
+}
+__host__ __device__ constexpr int mailbox_slot(int op_slot, int i) {
+  return op_slot * kMailboxesPerOp + i;
+}
+
+// Largest E the planner supports (sizes the counts exchange and the planner scratch).
+constexpr int kMaxExperts = 2048;
+// Counts row of one rank: E expert counts, then kCountsExtra status words (see plan.cu).
+constexpr int kCountsExtra = 4;
+constexpr int kCountsRowInts = kMaxExperts + kCountsExtra;
+// Planner-private scratch (per-CTA histograms, alloc prefix sums, layouts); plan.cu asserts fit.
+constexpr int kPlanScratchInts = 160 * 1024;
+// Scratch for the other ops' kernels (grid counters and the like); local to this rank's stream.
+constexpr int kOpScratchInts = 16 * 1024;
+
+constexpr uint64_t kDefaultTimeoutNs = 10ull * 1000 * 1000 * 1000;
+
+enum ErrorCode : uint32_t {
+  kErrNone = 0,
+  kErrTimeout = 1,         // a barrier wait expired
+  kErrBadExpertId = 2,     // an expert id outside [-1, E) reached the planner
+  kErrPeerFailed = 3,      // another rank reported an error through the counts exchange
+};
+
+// First error seen on this device (later errors do not overwrite it). Kernels that trap print the
+// same fields; the record is there for debuggers and for kernels that report without trapping.
+struct ErrorRecord {
+  uint32_t code;
+  int32_t rank;
+  uint32_t epoch;
+  int32_t slot;     // barrier slot for timeouts, -1 otherwise
+  int64_t detail;   // timeouts: arrivals seen; bad ids: the id
+  char what[40];
+};
+
+// The symmetric area of one device. Peers write only `mailbox`, `barrier_arrivals` and `counts`;
+// everything else is touched only by kernels running on the owning device's stream.
+struct alignas(128) PeerArea {
+  uint64_t mailbox[kMaxMailboxSlots][kMaxRanks];  // [slot][publishing rank] buffer addresses
+  uint32_t barrier_arrivals[kMaxBarrierSlots];    // monotonic, +1 per rank per barrier use
+  uint32_t barrier_uses[kMaxBarrierSlots];        // how often this rank has used the slot
+  uint32_t epoch[kNumOpSlots];                    // monotonic call counter per op
+  ErrorRecord error;
+  alignas(16) int32_t counts[kMaxRanks][kCountsRowInts];  // [source rank][E + extra]
+  alignas(16) int32_t plan_scratch[kPlanScratchInts];
+  alignas(16) int32_t op_scratch[kOpScratchInts];
+};
+
+// What a kernel needs to talk to its group; built on the host by `group_view`, passed by value.
+struct GroupView {
+  int rank;                       // position on the EP mesh axis
+  int num_ranks;                  // R
+  PeerArea* areas[kMaxRanks];     // device addresses of every rank's area (UVA)
+  uint64_t timeout_ns;            // bound of every barrier wait
+};
+
+// Registers a kernel so that every transport context loads it on each device of its group when
+// the context is created: lazily loading a module while a peer spins in a barrier can deadlock.
+// Defined in xla_ffi/transport.cc. Use through MOONEP_PRELOAD_KERNEL at namespace scope.
+int register_kernel_for_preload(const void* kernel);
+#define MOONEP_PRELOAD_KERNEL(kernel)                  \
+  [[maybe_unused]] static const int kPreload_##kernel = \
+      ::moonep::register_kernel_for_preload(reinterpret_cast<const void*>(&kernel))
+
+#ifdef __CUDACC__
+
+// ---- memory-model helpers (system scope: peers are other GPUs) ---------------------------------
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void red_release_sys_add(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ PeerArea* own_area(const GroupView& g) { return g.areas[g.rank]; }
+
+// ---- error reporting -------------------------------------------------------------------------
+
+// Records the first error of this device; returns whether this call's record was the one kept.
+__device__ inline bool record_error(const GroupView& g, uint32_t code, uint32_t epoch, int slot,
+                                    int64_t detail, const char* what) {
+  ErrorRecord* e = &own_area(g)->error;
+  if (atomicCAS(&e->code, kErrNone, code) != kErrNone) return false;
+  e->rank = g.rank;
+  e->epoch = epoch;
+  e->slot = slot;
+  e->detail = detail;
+  int n = 0;
+  for (; what != nullptr && what[n] != '\0' && n < int(sizeof(e->what)) - 1; ++n) e->what[n] = what[n];
+  e->what[n] = '\0';
+  __threadfence_system();
+  return true;
+}
+
+// ---- epochs ----------------------------------------------------------------------------------
+
+// Advances and returns this rank's call counter of `op_slot` (1 on the first call). Call it from
+// ONE thread of the op's first kernel; later kernels of the same call read `current_epoch`.
+// Epochs live in device memory, so CUDA-graph replays advance them like eager launches.
+__device__ inline uint32_t next_epoch(const GroupView& g, int op_slot) {
+  return atomicAdd(&own_area(g)->epoch[op_slot], 1u) + 1u;
+}
+
+__device__ inline uint32_t current_epoch(const GroupView& g, int op_slot) {
+  return *reinterpret_cast<volatile uint32_t*>(&own_area(g)->epoch[op_slot]);
+}
+
+// ---- address mailboxes ------------------------------------------------------------------------
+
+// Stores this rank's buffer address into mailbox[slot][rank] of every rank of the group (itself
+// included). Call from ONE thread, before the barrier that makes the addresses visible.
+__device__ inline void publish(const GroupView& g, int mailbox_slot, const void* ptr) {
+  for (int p = 0; p < g.num_ranks; ++p) {
+    st_release_sys(&g.areas[p]->mailbox[mailbox_slot][g.rank], reinterpret_cast<uint64_t>(ptr));
+  }
+}
+
+// The address `peer` published into `mailbox_slot` for the current call. Valid after the barrier
+// that follows the publish, until the op's exit barrier.
+__device__ inline const void* peer_address(const GroupView& g, int mailbox_slot, int peer) {
+  return reinterpret_cast<const void*>(ld_relaxed_sys(&own_area(g)->mailbox[mailbox_slot][peer]));
+}
+
+// ---- cross-GPU barrier -------------------------------------------------------------------------
+
+// Barrier of the whole group. Called by EVERY thread of exactly ONE CTA per rank (the same role on
+// every rank); each rank must call the same sequence of barrier slots. Writes made before the call
+// by this CTA, or by earlier kernels on the stream whose writing threads ran __threadfence_system(),
+// are visible to every peer after it returns.
+//
+// Arrival counters are monotonic (never reset): use number n of a slot on this rank waits until its
+// own counter reaches n*R (wrap-safe), so a barrier needs no reset phase. A peer can arrive at use
+// n+1 only after use n completed everywhere, so an early arrival never releases a rank before its
+// peers' use-n writes are visible (release/acquire is transitive). Counting uses per slot, rather
+// than comparing with epoch*R, keeps a slot correct even if some calls of an op skip it.
+// `epoch` and `what` only label the error report.
+//
+// On timeout: writes {rank, epoch, slot, what} into this device's error record, prints
+//   "moonep: rank %d timed out after %llu ns in %s (epoch %u, barrier slot %d)"
+// and traps (the CUDA context is lost; no silent hang).
+__device__ inline void barrier(const GroupView& g, int barrier_slot, uint32_t epoch,
+                               const char* what = "barrier") {
+  __shared__ uint32_t target;
+  PeerArea* me = own_area(g);
+  __threadfence_system();  // every thread's prior peer writes are performed before the arrival
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t uses = me->barrier_uses[barrier_slot] + 1u;
+    me->barrier_uses[barrier_slot] = uses;
+    target = uses * uint32_t(g.num_ranks);
+  }
+  if (threadIdx.x < g.num_ranks) {
+    red_release_sys_add(&g.areas[threadIdx.x]->barrier_arrivals[barrier_slot], 1u);
+  }
+  if (threadIdx.x == 0) {
+    const uint64_t start = global_timer_ns();
+    uint32_t seen;
+    while (int32_t((seen = ld_acquire_sys(&me->barrier_arrivals[barrier_slot])) - target) < 0) {
+      const uint64_t waited = global_timer_ns() - start;
+      if (waited > g.timeout_ns) {
+        record_error(g, kErrTimeout, epoch, barrier_slot, int64_t(seen), what);
+        printf("moonep: rank %d timed out after %llu ns in %s (epoch %u, barrier slot %d)\n",
+               g.rank, static_cast<unsigned long long>(waited), what, epoch, barrier_slot);
+        __trap();
+      }
+    }
+  }
+  __syncthreads();
+  __threadfence_system();
+}
+
+#endif  // __CUDACC__
+
+}  // namespace moonep
