@@ -159,7 +159,8 @@ def _gather_counts(expert: jax.Array, valid: jax.Array, cfg: EPConfig) -> jax.Ar
 
 def _caps(total: jax.Array, num_ranks: int) -> jax.Array:
     """`[R] int32` entries each destination computes: `T//R`, plus one for the first `T%R` ranks."""
-    return total // num_ranks + (jnp.arange(num_ranks, dtype=_I32) < total % num_ranks)
+    extra = jnp.arange(num_ranks, dtype=_I32) < total % num_ranks
+    return total // num_ranks + extra.astype(_I32)
 
 
 def _rank_transfers(counts: jax.Array, caps: jax.Array, cfg: EPConfig) -> jax.Array:
@@ -349,7 +350,7 @@ def _mark_duplicates(dest, row, valid):
     K = dest.shape[1]
     same_rank = (valid[:, :, None] & valid[:, None, :]
                  & (dest[:, :, None] == dest[:, None, :]))            # [S, K, K']
-    earlier = jnp.arange(K)[None, :] < jnp.arange(K)[:, None]         # [K, K']: k' < k
+    earlier = jnp.arange(K)[None, None, :] < jnp.arange(K)[None, :, None]  # [1, K, K']: k' < k
     duplicate = (same_rank & earlier).any(axis=-1)
     primary_k = jnp.argmax(same_rank, axis=-1)                        # first k' on the same rank
     primary_row = jnp.take_along_axis(row, primary_k, axis=1)
