@@ -1,0 +1,44 @@
+// The CUDA MoonEP planner (generation 1; moonep_algorithm.md §3, docs/CONTRACT.md), bit-identical to
+// the xla reference `moonep_jax/plan.py::_plan_xla`. Knows nothing of XLA: the handler
+// (xla_ffi/plan.cc) fills PlanParams and calls launch_plan on XLA's stream.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/transport.cuh"
+
+namespace moonep {
+
+// The local entries are cut into at most kMaxPlanChunks token-aligned chunks: one CTA each for
+// the histogram and for the routing, and one row of per-chunk counts in the planner scratch.
+constexpr int kMaxPlanChunks = 32;
+constexpr int kPlanChunkEntries = 2048;  // target entries per chunk
+
+struct PlanParams {
+  // Sizes (per rank; DESIGN §2).
+  int num_experts;    // E <= kMaxExperts
+  int top_k;          // K <= 32
+  int num_tokens;     // S
+  int num_slots;      // B
+  int token_padding;  // tp
+  int nvs;            // NvS
+  GroupView group;    // rank, R and every rank's PeerArea
+  // Operand.
+  const int32_t* topk_idx;  // [S, K]
+  // Results (the Plan fields, docs/CONTRACT.md).
+  int32_t* dst;              // [N]
+  int32_t* cu_seqlens;       // [E + B]
+  int32_t* zero_fill;        // [E + B, 2]
+  int32_t* experts_to_copy;  // [R, B]
+  int32_t* recv_src;         // [NvS]
+  int32_t* recv_primary;     // [NvS]
+};
+
+// Enqueues the planner (four kernels, two cross-GPU barriers) on `stream`. Every rank of the
+// group must call it with the same sizes. Out-of-range expert ids (outside [-1, E)) make every
+// rank of the group trap with a message naming the rank, epoch and one bad id.
+cudaError_t launch_plan(const PlanParams& params, cudaStream_t stream);
+
+}  // namespace moonep
