@@ -1,0 +1,165 @@
+"""`moe_ffn`: one expert-parallel SwiGLU MoE layer end to end (plan, dispatch, experts, combine).
+
+The layer owns its `custom_vjp` rather than composing the ops' own rules, for two reasons: the
+backward re-prefetches the replica weights instead of keeping `w_slots` alive as residuals (they
+are as large as this rank's experts), and each replica's weight gradient is reduced into the home
+gradient in the fixed order of `reduce_grad`, starting from the local gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from moonep_jax import _checks
+from moonep_jax.config import EPConfig
+from moonep_jax.plan import plan as make_plan
+from moonep_jax.plan_types import Plan
+
+_OP = "moonep_jax.moe_ffn"
+_F32 = jnp.float32
+
+
+def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array,
+            params: Mapping[str, jax.Array], cfg: EPConfig) -> jax.Array:
+    """Routes tokens to their top-K SwiGLU experts across the EP axis and sums the results.
+
+    `out[t] = sum_k topk_w[t, k] * ffn_{topk_idx[t, k]}(x[t])` with
+    `ffn_e(v) = (silu(v @ Wg_e) * (v @ Wu_e)) @ Wd_e`, computed with MoonEP's balanced plan: every
+    rank computes exactly its share of the entries. Call inside `jax.shard_map` over
+    `cfg.axis_name`; all shapes are per EP rank.
+
+    Args:
+      x: `[S, H]` floating, this rank's tokens.
+      topk_idx: `[S, K] int32` routed expert ids; -1 drops an entry (zero contribution, zero
+        gradient).
+      topk_w: `[S, K] float32` route weights.
+      params: a mapping with `w_gate_up [epn, H, 2F]` (`[..., :F]` the gate, SiLU applied,
+        `[..., F:]` the up projection) and `w_down [epn, F, H]`, both in x's dtype: this rank's
+        experts `rank*epn ... rank*epn + epn - 1`.
+      cfg: the layer's `EPConfig`.
+
+    Returns:
+      `[S, H]` in x's dtype. Each received row is scaled by its route weight in fp32 and rounded
+      to x's dtype before the (unweighted, two-stage) combine. Differentiable w.r.t. `x`, `topk_w`
+      and both weights when `B == epn`; the weight gradients include every replica's share.
+
+    Raises:
+      TypeError / ValueError: at trace time, for wrong shapes, dtypes, `params`, `cfg` or EP axis,
+        and when gradients are taken with `B < epn`.
+    """
+    _checks.check_config(_OP, cfg)
+    S, K, H, F, epn = cfg.tokens_per_rank, cfg.top_k, cfg.hidden, cfg.ffn_hidden, cfg.epn
+    _checks.check_array(_OP, "x", x, "[S, H]", [S, H])
+    _checks.check_floating(_OP, "x", x)
+    _checks.check_array(_OP, "topk_idx", topk_idx, "[S, K]", [S, K], jnp.int32)
+    _checks.check_array(_OP, "topk_w", topk_w, "[S, K]", [S, K], _F32)
+    w_gate_up, w_down = _params(params)
+    _checks.check_array(_OP, "params['w_gate_up']", w_gate_up, "[epn, H, 2F]", [epn, H, 2 * F])
+    _checks.check_array(_OP, "params['w_down']", w_down, "[epn, F, H]", [epn, F, H])
+    _checks.check_same_dtype(_OP, "params['w_gate_up']", w_gate_up, "x", x)
+    _checks.check_same_dtype(_OP, "params['w_down']", w_down, "x", x)
+    _checks.check_ep_axis(_OP, cfg)
+
+    plan = make_plan(topk_idx, cfg)
+    x, topk_w, w_gate_up, w_down = _checks.vary_together([x, topk_w, w_gate_up, w_down],
+                                                         cfg.axis_name)
+    return _moe_ffn(x, topk_w, w_gate_up, w_down, plan, cfg)
+
+
+def _params(params) -> tuple[jax.Array, jax.Array]:
+    if not isinstance(params, Mapping):
+        raise TypeError(f"`{_OP}`: `params` must be a mapping with keys 'w_gate_up' and "
+                        f"'w_down'; got {type(params).__name__}.")
+    missing = [k for k in ("w_gate_up", "w_down") if k not in params]
+    if missing:
+        raise ValueError(f"`{_OP}`: `params` must have keys 'w_gate_up' and 'w_down'; missing "
+                         f"{missing} (got keys {sorted(params)}).")
+    return params["w_gate_up"], params["w_down"]
+
+
+# ---- the layer and its backward -----------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _moe_ffn(x, topk_w, w_gate_up, w_down, plan, cfg):
+    out, _ = _forward(x, topk_w, w_gate_up, w_down, plan, cfg)
+    return out
+
+
+def _forward(x, topk_w, w_gate_up, w_down, plan: Plan, cfg: EPConfig):
+    """The layer; returns `(out, (recv_x, recv_w, h, y))`, the rows its backward needs."""
+    op = functools.partial(_checks.backend, cfg=cfg)
+    recv_x, recv_w = op("dispatch")(x, topk_w, plan, cfg)
+    slots_gate_up = op("prefetch")(w_gate_up, plan, cfg)
+    slots_down = op("prefetch")(w_down, plan, cfg)
+    h = op("gmm")(recv_x, w_gate_up, slots_gate_up, plan, cfg)   # [NvS, 2F]
+    y = op("gmm")(_swiglu(h), w_down, slots_down, plan, cfg)     # [NvS, H]
+    out = op("combine")(_scale_rows(y, recv_w), plan, cfg)
+    return out, (recv_x, recv_w, h, y)
+
+
+def _moe_ffn_fwd(x, topk_w, w_gate_up, w_down, plan, cfg):
+    _checks.check_trainable(_OP, cfg)
+    out, rows = _forward(x, topk_w, w_gate_up, w_down, plan, cfg)
+    # The replica slots are not residuals: the backward prefetches them again.
+    return out, (rows, w_gate_up, w_down, plan)
+
+
+def _moe_ffn_bwd(cfg, residuals, d_out):
+    (recv_x, recv_w, h, y), w_gate_up, w_down, plan = residuals
+    op = functools.partial(_checks.backend, cfg=cfg)
+    no_weights = jnp.zeros((cfg.tokens_per_rank, cfg.top_k), _F32)
+    d_z, _ = op("dispatch")(d_out, no_weights, plan, cfg)          # [NvS, H]
+    d_z32 = d_z.astype(_F32)
+    d_recv_w = jnp.sum(d_z32 * y.astype(_F32), axis=1)              # [NvS] f32
+    d_y = _scale_rows(d_z, recv_w)
+
+    slots_down = op("prefetch")(w_down, plan, cfg)
+    d_act = op("gmm_dx")(d_y, w_down, slots_down, plan, cfg)        # [NvS, F]
+    d_down_local, d_down_slots = op("gmm_dw")(_swiglu(h), d_y, plan, cfg)
+    d_h = _swiglu_grad(h, d_act)                                    # [NvS, 2F]
+    slots_gate_up = op("prefetch")(w_gate_up, plan, cfg)
+    d_recv_x = op("gmm_dx")(d_h, w_gate_up, slots_gate_up, plan, cfg)
+    d_gate_up_local, d_gate_up_slots = op("gmm_dw")(recv_x, d_h, plan, cfg)
+
+    d_x = op("combine")(d_recv_x, plan, cfg)
+    d_topk_w = op("combine_weights")(d_recv_w, plan, cfg)
+    d_w_gate_up = op("reduce_grad")(d_gate_up_local, d_gate_up_slots, plan, cfg)
+    d_w_down = op("reduce_grad")(d_down_local, d_down_slots, plan, cfg)
+    return (d_x, d_topk_w, d_w_gate_up.astype(w_gate_up.dtype), d_w_down.astype(w_down.dtype),
+            None)  # the plan is integer: no cotangent
+
+
+_moe_ffn.defvjp(_moe_ffn_fwd, _moe_ffn_bwd)
+
+
+# ---- elementwise parts (fp32 math, rounded to the rows' dtype) ----------------------------------
+
+
+def _scale_rows(rows: jax.Array, recv_w: jax.Array) -> jax.Array:
+    """`rows[r] * recv_w[r]` in fp32, rounded to the rows' dtype."""
+    return (rows.astype(_F32) * recv_w[:, None]).astype(rows.dtype)
+
+
+def _swiglu(h: jax.Array) -> jax.Array:
+    """`silu(gate) * up` of `h = [gate | up]` (`[NvS, 2F]` -> `[NvS, F]`)."""
+    gate, up = jnp.split(h.astype(_F32), 2, axis=1)
+    return (jax.nn.silu(gate) * up).astype(h.dtype)
+
+
+def _swiglu_grad(h: jax.Array, d_act: jax.Array) -> jax.Array:
+    """Cotangent of `h` given the cotangent of `_swiglu(h)`.
+
+    `d gate = d_act * up * silu'(gate)` with `silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g)))`,
+    `d up = d_act * silu(gate)`.
+    """
+    gate, up = jnp.split(h.astype(_F32), 2, axis=1)
+    d_act = d_act.astype(_F32)
+    sig = jax.nn.sigmoid(gate)
+    d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = d_act * gate * sig
+    return jnp.concatenate([d_gate, d_up], axis=1).astype(h.dtype)
