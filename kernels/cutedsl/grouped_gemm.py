@@ -1,0 +1,426 @@
+"""CuTe DSL grouped GEMM for sm_90a (TMA + WGMMA, bf16 in, fp32 accumulation).
+
+Three exported kernels share one CTA program (`GroupedGemm`):
+
+- `moonep_gmm_fwd`  `y [NvS, D1] = x [NvS, D0] . W_g`, rows grouped (ragged M);
+- `moonep_gmm_dx`   `dx [NvS, D0] = dy [NvS, D1] . W_g^T`, rows grouped (ragged M);
+- `moonep_gmm_dw`   `dW_g [D0, D1] = x_g^T . dy_g` in fp32, one output matrix per local expert
+  and per slot (ragged K).
+
+Ragged M: a tile table `[T, 4] int32` (built on the device by kernels/grouped_gemm.cu) gives, per
+M tile, `(kind, row_start, row_end, mat)`: kind 0 multiplies rows `[row_start, row_end)` by
+`w_local[mat]`, kind 1 by `w_slots[mat]`, kind 2 writes zeros (rows past `cu_seqlens[-1]`),
+kind 3 is an unused table entry. A tile loads `BM` rows starting at `row_start` with TMA (rows of
+the next group, or zeros past the end), and its stores are masked to `[row_start, row_end)`, so a
+tile only ever writes rows of its own group. Weights are never concatenated: `w_local [epn, D0,
+D1]` and `w_slots [B, D0, D1]` are each seen as one stacked 2-D matrix, and a tile offsets its
+TMA coordinates to matrix `mat`.
+
+Ragged K (dW): output matrix `j < epn` is local expert `home*epn + j` (group `home*epn + j`),
+`j >= epn` is slot `j - epn` (group `E + j - epn`); the K loop runs over the group's rows. The
+last K tile of a group also loads rows of the next group: they are zeroed in shared memory before
+the WGMMAs read it. An empty group runs no K tile and writes zeros.
+
+The CTA program is the plain Hopper one: a multi-stage TMA -> mbarrier pipeline whose loads are
+issued by warp 0, two consumer warpgroups of 64 x BN WGMMAs each, and an epilogue that stores
+accumulators straight from registers with row/column predicates.
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+TILE_M, TILE_N, TILE_K = 128, 256, 64
+# Tile table columns and kinds (kernels/grouped_gemm.h mirrors them).
+KIND_LOCAL, KIND_SLOT, KIND_ZERO, KIND_UNUSED = 0, 1, 2, 3
+TABLE_COLUMNS = 4
+# Stacked weights: the mode along which matrix `mat` is offset (fwd: K, dX: N).
+STACK_ALONG_N, STACK_ALONG_K = 0, 1
+# Each stride and dimension that TMA sees must be a multiple of 16 bytes = 8 bf16.
+ALIGN_ELEMS = 8
+
+
+class GroupedGemm:
+    """One CTA program for the three grouped GEMMs; `ragged_k` selects dW."""
+
+    def __init__(self, ragged_k: bool, stack_mode: int = STACK_ALONG_K):
+        self.ragged_k = ragged_k
+        self.stack_mode = stack_mode
+        self.tile_mnk = (TILE_M, TILE_N, TILE_K)
+        self.atom_layout_mnk = (2, 1, 1)  # two consumer warpgroups, 64 rows each
+        self.num_threads = 256
+        self.acc_dtype = cutlass.Float32
+        self.buffer_align_bytes = 1024
+
+    def _setup(self, a: cute.Tensor, b: cute.Tensor):
+        self.ab_dtype = a.element_type
+        a_layout = utils.LayoutEnum.from_tensor(a)
+        b_layout = utils.LayoutEnum.from_tensor(b)
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(),
+            b_layout.sm90_mma_major_mode(), self.acc_dtype, self.atom_layout_mnk,
+            tiler_mn=(64, TILE_N))
+        bytes_per_stage = (TILE_M + TILE_N) * TILE_K * self.ab_dtype.width // 8
+        smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
+        self.num_stages = (smem_capacity - 2048) // bytes_per_stage
+        self.a_smem_staged = sm90_utils.make_smem_layout_a(
+            a_layout, self.tile_mnk, self.ab_dtype, self.num_stages)
+        self.b_smem_staged = sm90_utils.make_smem_layout_b(
+            b_layout, self.tile_mnk, self.ab_dtype, self.num_stages)
+
+    def _tma_load(self, tensor: cute.Tensor, smem_staged, tile_shape):
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), tensor,
+            cute.slice_(smem_staged, (None, None, 0)), tile_shape)
+
+    def _shared_storage(self):
+        num_stages, ab_dtype, align = self.num_stages, self.ab_dtype, self.buffer_align_bytes
+
+        @cute.struct
+        class SharedStorage:
+            pipeline_barriers: cute.struct.MemRange[cutlass.Int64, num_stages * 2]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[ab_dtype, cute.cosize(self.a_smem_staged)], align]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[ab_dtype, cute.cosize(self.b_smem_staged)], align]
+
+        return SharedStorage
+
+    # ---- ragged M: forward and dX ------------------------------------------------------------
+
+    @cute.jit
+    def rows(self, a: cute.Tensor, b_local: cute.Tensor, b_slots: cute.Tensor, c: cute.Tensor,
+             tile_table: cute.Tensor, mat_extent: cutlass.Int32, stream: cuda.CUstream):
+        """`c[rows of tile] = a[rows] . B_mat^T` for every tile of `tile_table`.
+
+        `a [M, K]`, `b_* [N_b, K_b]` (the stacked weights in (N, K) orientation), `c [M, N]`;
+        `mat_extent` is the size of one stacked matrix along `self.stack_mode`.
+        """
+        self._setup(a, b_local)
+        tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (TILE_M, TILE_K))
+        tma_b_local, tma_tensor_b_local = self._tma_load(
+            b_local, self.b_smem_staged, (TILE_N, TILE_K))
+        tma_b_slots, tma_tensor_b_slots = self._tma_load(
+            b_slots, self.b_smem_staged, (TILE_N, TILE_K))
+        self.shared_storage = self._shared_storage()
+        num_n_tiles = cute.ceil_div(cute.size(c, mode=[1]), TILE_N)
+        num_table_tiles = cute.size(tile_table, mode=[0])
+        self.rows_kernel(
+            self.tiled_mma, tma_a, tma_tensor_a, tma_b_local, tma_tensor_b_local, tma_b_slots,
+            tma_tensor_b_slots, c, tile_table, mat_extent, self.a_smem_staged,
+            self.b_smem_staged,
+        ).launch(grid=(num_n_tiles, num_table_tiles, 1), block=(self.num_threads, 1, 1),
+                 stream=stream)
+
+    @cute.kernel
+    def rows_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
+                    tma_b_local: cute.CopyAtom, mB_local: cute.Tensor,
+                    tma_b_slots: cute.CopyAtom, mB_slots: cute.Tensor, mC: cute.Tensor,
+                    tile_table: cute.Tensor, mat_extent: cutlass.Int32,
+                    a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout):
+        n_tile, table_idx, _ = cute.arch.block_idx()
+        kind = tile_table[table_idx, 0]
+        row_start = tile_table[table_idx, 1]
+        row_end = tile_table[table_idx, 2]
+        mat = tile_table[table_idx, 3]
+        is_product = kind < KIND_ZERO
+        num_k_tiles = cute.ceil_div(cute.size(mA, mode=[1]), TILE_K)
+        if not is_product:
+            num_k_tiles = 0
+        if kind == KIND_UNUSED:
+            row_end = row_start
+
+        gA = cute.local_tile(cute.domain_offset((row_start, 0), mA), (TILE_M, TILE_K), (0, None))
+        if cutlass.const_expr(self.stack_mode == STACK_ALONG_K):
+            offset = (0, mat * mat_extent)
+        else:
+            offset = (mat * mat_extent, 0)
+        gB_local = cute.local_tile(cute.domain_offset(offset, mB_local), (TILE_N, TILE_K),
+                                   (n_tile, None))
+        gB_slots = cute.local_tile(cute.domain_offset(offset, mB_slots), (TILE_N, TILE_K),
+                                   (n_tile, None))
+        accumulators = self.mainloop(
+            tiled_mma, tma_a, gA, tma_b_local, gB_local, tma_b_slots, gB_slots, kind == KIND_SLOT,
+            num_k_tiles, num_k_tiles * TILE_K, a_smem_staged, b_smem_staged)
+
+        # Store rows [row_start, row_end) of this tile; columns < N (and < D0 for dX).
+        num_cols = cute.size(mC, mode=[1])
+        gC = cute.local_tile(cute.domain_offset((row_start, 0), mC), (TILE_M, TILE_N), (0, n_tile))
+        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), (TILE_M, TILE_N), (0, n_tile))
+        self.store(tiled_mma, accumulators, gC, cC, row_end - row_start, num_cols)
+
+    # ---- ragged K: dW -------------------------------------------------------------------------
+
+    @cute.jit
+    def weight_grad(self, a: cute.Tensor, b: cute.Tensor, dw_local: cute.Tensor,
+                    dw_slots: cute.Tensor, cu_seqlens: cute.Tensor, ep_rank: cute.Tensor,
+                    stream: cuda.CUstream):
+        """`dw_*[j] = a[:, rows of group] . b[:, rows of group]^T` for every local expert and slot.
+
+        `a [D0, NvS]` (x^T), `b [D1, NvS]` (dy^T), `dw_local [D0, D1, epn]`,
+        `dw_slots [D0, D1, B]` fp32; `cu_seqlens [G]`; `ep_rank [1]` int32 (this rank, read on
+        the device: local expert j is group `ep_rank * epn + j`).
+        """
+        self._setup(a, b)
+        tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (TILE_M, TILE_K))
+        tma_b, tma_tensor_b = self._tma_load(b, self.b_smem_staged, (TILE_N, TILE_K))
+        self.shared_storage = self._shared_storage()
+        num_m_tiles = cute.ceil_div(cute.size(dw_local, mode=[0]), TILE_M)
+        num_n_tiles = cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N)
+        num_mats = cute.size(dw_local, mode=[2]) + cute.size(dw_slots, mode=[2])
+        self.weight_grad_kernel(
+            self.tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, dw_local, dw_slots,
+            cu_seqlens, ep_rank, num_m_tiles, self.a_smem_staged, self.b_smem_staged,
+        ).launch(grid=(num_n_tiles, num_m_tiles * num_mats, 1), block=(self.num_threads, 1, 1),
+                 stream=stream)
+
+    @cute.kernel
+    def weight_grad_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
+                           tma_b: cute.CopyAtom, mB: cute.Tensor, dw_local: cute.Tensor,
+                           dw_slots: cute.Tensor, cu_seqlens: cute.Tensor,
+                           ep_rank: cute.Tensor, num_m_tiles: cutlass.Int32,
+                           a_smem_staged: cute.ComposedLayout,
+                           b_smem_staged: cute.ComposedLayout):
+        n_tile, mat_m_tile, _ = cute.arch.block_idx()
+        mat = mat_m_tile // num_m_tiles
+        m_tile = mat_m_tile % num_m_tiles
+        num_local = cute.size(dw_local, mode=[2])
+        num_experts = cute.size(cu_seqlens, mode=[0]) - cute.size(dw_slots, mode=[2])
+        group = ep_rank[0] * num_local + mat
+        if mat >= num_local:
+            group = num_experts + mat - num_local
+        row_start = 0
+        if group > 0:
+            row_start = cu_seqlens[group - 1]
+        num_rows = cu_seqlens[group] - row_start
+        num_k_tiles = cute.ceil_div(num_rows, TILE_K)
+
+        gA = cute.local_tile(cute.domain_offset((0, row_start), mA), (TILE_M, TILE_K),
+                             (m_tile, None))
+        gB = cute.local_tile(cute.domain_offset((0, row_start), mB), (TILE_N, TILE_K),
+                             (n_tile, None))
+        accumulators = self.mainloop(tiled_mma, tma_a, gA, tma_b, gB, tma_b, gB, False,
+                                     num_k_tiles, num_rows, a_smem_staged, b_smem_staged)
+
+        d0 = cute.size(dw_local, mode=[0])
+        d1 = cute.size(dw_local, mode=[1])
+        cC = cute.local_tile(cute.make_identity_tensor((d0, d1)), (TILE_M, TILE_N),
+                             (m_tile, n_tile))
+        if mat < num_local:
+            gC = cute.local_tile(dw_local[None, None, mat], (TILE_M, TILE_N), (m_tile, n_tile))
+            self.store(tiled_mma, accumulators, gC, cC, d0, d1)
+        else:
+            gC = cute.local_tile(dw_slots[None, None, mat - num_local], (TILE_M, TILE_N),
+                                 (m_tile, n_tile))
+            self.store(tiled_mma, accumulators, gC, cC, d0, d1)
+
+    # ---- shared pieces ------------------------------------------------------------------------
+
+    @cute.jit
+    def mainloop(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, gA: cute.Tensor,
+                 tma_b: cute.CopyAtom, gB: cute.Tensor, tma_b_alt: cute.CopyAtom,
+                 gB_alt: cute.Tensor, use_alt_b: cutlass.Boolean, num_k_tiles: cutlass.Int32,
+                 valid_k: cutlass.Int32, a_smem_staged: cute.ComposedLayout,
+                 b_smem_staged: cute.ComposedLayout):
+        """Accumulate `sum_k gA[:, k] gB[:, k]` over `num_k_tiles` K tiles into fp32 registers.
+
+        K indices `>= valid_k` (the rows of the next group in dW) are zeroed in shared memory.
+        `use_alt_b` loads B through `tma_b_alt`/`gB_alt` (the slot weights) instead.
+        """
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        tma_bytes = (cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
+                     + cute.size_in_bytes(self.ab_dtype,
+                                          cute.slice_(b_smem_staged, (None, None, 0))))
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.pipeline_barriers.data_ptr(),
+            num_stages=self.num_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.num_threads // 32),
+            tx_count=tma_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        cute.arch.sync_threads()
+
+        # TMA partitions: (TMA, k tiles) in global memory, (TMA, stages) in shared memory.
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        tBsB_alt, tBgB_alt = cute.nvgpu.cpasync.tma_partition(
+            tma_b_alt, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB_alt, 0, 2))
+
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+        thr_mma = tiled_mma.get_slice(warp_group_idx * 128)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc_shape = thr_mma.partition_shape_C((TILE_M, TILE_N))
+        accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        accumulators.fill(0.0)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+
+        producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                self.num_stages)
+        consumer_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                     self.num_stages)
+        consumer_release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                        self.num_stages)
+
+        # Fill the pipeline.
+        if warp_idx == 0:
+            for _ in cutlass.range(cutlass.min(self.num_stages, num_k_tiles), unroll=1):
+                self.load_k_tile(ab_pipeline, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB,
+                                 tma_b_alt, tBgB_alt, tBsB_alt, use_alt_b)
+                producer.advance()
+
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        for k_tile in cutlass.range(num_k_tiles, unroll=1):
+            ab_pipeline.consumer_wait(consumer_read)
+            if cutlass.const_expr(self.ragged_k):
+                if (k_tile + 1) * TILE_K > valid_k:
+                    self.zero_k_tail(sA, sB, consumer_read.index, valid_k - k_tile * TILE_K)
+            cute.nvgpu.warpgroup.fence()
+            for k_block in cutlass.range_constexpr(num_k_blocks):
+                coord = (None, None, k_block, consumer_read.index)
+                cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
+            cute.nvgpu.warpgroup.commit_group()
+            # Keep one K tile of WGMMAs in flight; the one before it is done with its stage.
+            cute.nvgpu.warpgroup.wait_group(1)
+            if k_tile > 0:
+                ab_pipeline.consumer_release(consumer_release)
+                consumer_release.advance()
+                if warp_idx == 0 and producer.count < num_k_tiles:
+                    self.load_k_tile(ab_pipeline, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB,
+                                     tma_b_alt, tBgB_alt, tBsB_alt, use_alt_b)
+                    producer.advance()
+            consumer_read.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        return accumulators
+
+    @cute.jit
+    def load_k_tile(self, ab_pipeline, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, tma_b_alt,
+                    tBgB_alt, tBsB_alt, use_alt_b: cutlass.Boolean):
+        ab_pipeline.producer_acquire(producer)
+        barrier = ab_pipeline.producer_get_barrier(producer)
+        cute.copy(tma_a, tAgA[(None, producer.count)], tAsA[(None, producer.index)],
+                  tma_bar_ptr=barrier)
+        if use_alt_b:
+            cute.copy(tma_b_alt, tBgB_alt[(None, producer.count)], tBsB_alt[(None, producer.index)],
+                      tma_bar_ptr=barrier)
+        else:
+            cute.copy(tma_b, tBgB[(None, producer.count)], tBsB[(None, producer.index)],
+                      tma_bar_ptr=barrier)
+        ab_pipeline.producer_commit(producer)
+
+    @cute.jit
+    def zero_k_tail(self, sA: cute.Tensor, sB: cute.Tensor, stage: cutlass.Int32,
+                    first_invalid_k: cutlass.Int32):
+        """Zero K columns `>= first_invalid_k` of stage `stage` of both operand tiles."""
+        tidx, _, _ = cute.arch.thread_idx()
+        zero = self.ab_dtype(0.0)
+        for idx in cutlass.range(tidx, TILE_M * TILE_K, self.num_threads, unroll=1):
+            k = idx // TILE_M
+            if k >= first_invalid_k:
+                sA[idx % TILE_M, k, stage] = zero
+        for idx in cutlass.range(tidx, TILE_N * TILE_K, self.num_threads, unroll=1):
+            k = idx // TILE_N
+            if k >= first_invalid_k:
+                sB[idx % TILE_N, k, stage] = zero
+        # The WGMMAs read shared memory through the async proxy.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def store(self, tiled_mma: cute.TiledMma, accumulators: cute.Tensor, gC: cute.Tensor,
+              cC: cute.Tensor, row_limit: cutlass.Int32, col_limit: cutlass.Int32):
+        """Store the accumulators to `gC` where the coordinate in `cC` is below the limits.
+
+        Ragged M passes tile-relative rows (`cC` of tile 0) and the group's rows left in the tile;
+        dW passes absolute coordinates and the matrix shape.
+        """
+        tidx, _, _ = cute.arch.thread_idx()
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCgC = thr_mma.partition_C(gC)
+        tCcC = thr_mma.partition_C(cC)
+        for i in cutlass.range_constexpr(cute.size(accumulators)):
+            row, col = tCcC[i]
+            if row < row_limit and col < col_limit:
+                tCgC[i] = accumulators[i].to(gC.element_type)
+
+
+# ---- ahead-of-time compilation ------------------------------------------------------------------
+
+def _dim():
+    return cute.sym_int32()
+
+
+def _aligned_dim():
+    return cute.sym_int32(divisibility=ALIGN_ELEMS)
+
+
+def _bf16(shape, stride_order):
+    return make_fake_compact_tensor(cutlass.BFloat16, shape, stride_order=stride_order,
+                                    assumed_align=16)
+
+
+def _table():
+    return make_fake_compact_tensor(cutlass.Int32, (_dim(), TABLE_COLUMNS), stride_order=(1, 0),
+                                    assumed_align=16)
+
+
+def compile_forward(options: str):
+    """`x [M, D0]`, stacked `w_* (D1, mats*D0)` N-major (row-major `[mats*D0, D1]` memory)."""
+    gemm = GroupedGemm(ragged_k=False, stack_mode=STACK_ALONG_K)
+    x = _bf16((_dim(), _aligned_dim()), (1, 0))
+    w_local = _bf16((_aligned_dim(), _dim()), (0, 1))
+    w_slots = _bf16((_aligned_dim(), _dim()), (0, 1))
+    y = _bf16((_dim(), _aligned_dim()), (1, 0))
+    return cute.compile(gemm.rows, x, w_local, w_slots, y, _table(), cutlass.Int32(0),
+                        make_fake_stream(), options=options)
+
+
+def compile_dx(options: str):
+    """`dy [M, D1]`, stacked `w_* (mats*D0, D1)` K-major (row-major memory)."""
+    gemm = GroupedGemm(ragged_k=False, stack_mode=STACK_ALONG_N)
+    dy = _bf16((_dim(), _aligned_dim()), (1, 0))
+    w_local = _bf16((_dim(), _aligned_dim()), (1, 0))
+    w_slots = _bf16((_dim(), _aligned_dim()), (1, 0))
+    dx = _bf16((_dim(), _aligned_dim()), (1, 0))
+    return cute.compile(gemm.rows, dy, w_local, w_slots, dx, _table(), cutlass.Int32(0),
+                        make_fake_stream(), options=options)
+
+
+def compile_dw(options: str):
+    """`x^T (D0, M)` and `dy^T (D1, M)` M/N-major views; `dw_* (D0, D1, mats)` fp32 row-major."""
+    gemm = GroupedGemm(ragged_k=True)
+    x_t = _bf16((_aligned_dim(), _dim()), (0, 1))
+    dy_t = _bf16((_aligned_dim(), _dim()), (0, 1))
+    dw_local = make_fake_compact_tensor(cutlass.Float32, (_dim(), _dim(), _dim()),
+                                        stride_order=(1, 0, 2), assumed_align=16)
+    dw_slots = make_fake_compact_tensor(cutlass.Float32, (_dim(), _dim(), _dim()),
+                                        stride_order=(1, 0, 2), assumed_align=16)
+    cu_seqlens = make_fake_compact_tensor(cutlass.Int32, (_dim(),), assumed_align=4)
+    ep_rank = make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
+    return cute.compile(gemm.weight_grad, x_t, dy_t, dw_local, dw_slots, cu_seqlens, ep_rank,
+                        make_fake_stream(), options=options)
+
+
+EXPORTS = {
+    "moonep_gmm_fwd": compile_forward,
+    "moonep_gmm_dx": compile_dx,
+    "moonep_gmm_dw": compile_dw,
+}

@@ -1,0 +1,63 @@
+// Launchers of the CuTe DSL grouped GEMMs (kernels/cutedsl/grouped_gemm.py), bf16 with fp32
+// accumulation, for one EP rank. Rows of `[NvS, .]` activations are grouped by `cu_seqlens [G]`
+// (inclusive ends, G = E + B); group g < E uses the home rank's `w_local[g - rank*epn]`, group
+// g >= E uses `w_slots[g - E]`. Weights are never concatenated.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moonep {
+
+// Rows per M tile of the ragged-M kernels (TILE_M in grouped_gemm.py).
+constexpr int32_t kGmmTileM = 128;
+
+// Tile-table entries the ragged-M kernels need at most: ceil(NvS / kGmmTileM) full tiles, plus
+// one partial tile per group, plus the zero tail past cu_seqlens[G-1].
+inline int32_t gmm_max_tiles(int32_t num_rows, int32_t num_groups) {
+  return (num_rows + kGmmTileM - 1) / kGmmTileM + num_groups + 1;
+}
+
+enum class GmmRowsOp { kForward, kDx };
+
+// forward: out [NvS, D1] = in [NvS, D0] . W_g;  dX: out [NvS, D0] = in [NvS, D1] . W_g^T.
+// Rows past cu_seqlens[G-1] are written zero. A non-empty group g < E outside this rank's
+// experts (inference overflow, read from a peer) is not supported here: its rows are zeroed.
+struct GmmRowsParams {
+  GmmRowsOp op;
+  const void* in;               // [num_rows, D0 (fwd) | D1 (dX)] bf16
+  const void* w_local;          // [epn, D0, D1] bf16
+  const void* w_slots;          // [B, D0, D1] bf16
+  void* out;                    // [num_rows, D1 (fwd) | D0 (dX)] bf16
+  const int32_t* cu_seqlens;    // [G] inclusive ends
+  const int32_t* ep_rank;       // [1] this rank's position on the EP axis (device)
+  int32_t* tile_table;          // [gmm_max_tiles(num_rows, G), 4] scratch
+  int32_t num_rows;             // NvS
+  int32_t d0, d1;               // D0, D1; both multiples of 8 (TMA strides)
+  int32_t num_local;            // epn
+  int32_t num_slots;            // B
+  int32_t num_groups;           // G = E + B
+};
+
+// dw_local[j] = x_g^T . dy_g for g = rank*epn + j, dw_slots[b] = x_g^T . dy_g for g = E + b, in
+// fp32; empty groups give zeros.
+struct GmmDwParams {
+  const void* x;                // [num_rows, D0] bf16
+  const void* dy;               // [num_rows, D1] bf16
+  float* dw_local;              // [epn, D0, D1]
+  float* dw_slots;              // [B, D0, D1]
+  const int32_t* cu_seqlens;    // [G]
+  const int32_t* ep_rank;       // [1]
+  int32_t num_rows, d0, d1, num_local, num_slots, num_groups;
+};
+
+// Loads the three exported kernels on every device (once per process). Call at bootstrap.
+cudaError_t load_grouped_gemm();
+
+// Returns cudaErrorInvalidValue for shapes the kernels do not support (D0 or D1 not a multiple
+// of 8, non-positive sizes).
+cudaError_t launch_gmm_rows(const GmmRowsParams& params, cudaStream_t stream);
+cudaError_t launch_gmm_dw(const GmmDwParams& params, cudaStream_t stream);
+
+}  // namespace moonep

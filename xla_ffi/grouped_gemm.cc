@@ -1,0 +1,176 @@
+// XLA FFI handlers of the grouped GEMMs: moonep_gmm_fwd, moonep_gmm_dx, moonep_gmm_dw.
+// Shapes come from the buffers; the EP rank is an int32 operand (lax.axis_index), read on device.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "kernels/grouped_gemm.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+std::string shape_str(ffi::Span<const int64_t> dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+bool has_shape(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> expected) {
+  if (dims.size() != expected.size()) return false;
+  size_t i = 0;
+  for (int64_t e : expected)
+    if (dims[i++] != e) return false;
+  return true;
+}
+
+ffi::Error shape_error(const char* target, const char* name, const std::string& rule,
+                       ffi::Span<const int64_t> dims) {
+  return ffi::Error::InvalidArgument(std::string(target) + ": `" + name + "` must have shape " +
+                                     rule + "; got " + shape_str(dims) + ".");
+}
+
+ffi::Error cuda_error(const char* target, cudaError_t e) {
+  return ffi::Error::Internal(std::string(target) + ": " + cudaGetErrorString(e));
+}
+
+// Checks w_local [epn, D0, D1], w_slots [B, D0, D1], cu_seqlens [G], ep_rank [1].
+ffi::Error check_weights(const char* target, ffi::Buffer<ffi::BF16>& w_local,
+                         ffi::Buffer<ffi::BF16>& w_slots, ffi::Buffer<ffi::S32>& cu_seqlens,
+                         ffi::Buffer<ffi::S32>& ep_rank) {
+  auto wl = w_local.dimensions();
+  if (wl.size() != 3) return shape_error(target, "w_local", "[epn, D0, D1]", wl);
+  if (!has_shape(w_slots.dimensions(), {w_slots.dimensions().size() == 3
+                                            ? w_slots.dimensions()[0] : -1, wl[1], wl[2]}))
+    return shape_error(target, "w_slots", "[B, D0, D1] with D0, D1 of w_local",
+                       w_slots.dimensions());
+  if (cu_seqlens.dimensions().size() != 1)
+    return shape_error(target, "cu_seqlens", "[G]", cu_seqlens.dimensions());
+  if (ep_rank.element_count() != 1)
+    return shape_error(target, "ep_rank", "[1]", ep_rank.dimensions());
+  return ffi::Error::Success();
+}
+
+ffi::Error GmmRows(moonep::GmmRowsOp op, const char* target, cudaStream_t stream,
+                   ffi::Buffer<ffi::BF16> in, ffi::Buffer<ffi::BF16> w_local,
+                   ffi::Buffer<ffi::BF16> w_slots, ffi::Buffer<ffi::S32> cu_seqlens,
+                   ffi::Buffer<ffi::S32> ep_rank, ffi::ResultBuffer<ffi::BF16> out,
+                   ffi::ResultBuffer<ffi::S32> tile_table) {
+  if (auto err = check_weights(target, w_local, w_slots, cu_seqlens, ep_rank); err.failure())
+    return err;
+  auto wl = w_local.dimensions();
+  const int64_t d0 = wl[1], d1 = wl[2];
+  const int64_t in_cols = op == moonep::GmmRowsOp::kForward ? d0 : d1;
+  const int64_t out_cols = op == moonep::GmmRowsOp::kForward ? d1 : d0;
+  auto in_dims = in.dimensions();
+  if (in_dims.size() != 2 || in_dims[1] != in_cols)
+    return shape_error(target, "x", "[NvS, " + std::to_string(in_cols) + "]", in_dims);
+  const int64_t num_rows = in_dims[0];
+  if (!has_shape(out->dimensions(), {num_rows, out_cols}))
+    return shape_error(target, "out", "[NvS, " + std::to_string(out_cols) + "]",
+                       out->dimensions());
+  const int64_t num_groups = cu_seqlens.dimensions()[0];
+  const int64_t max_tiles = moonep::gmm_max_tiles(num_rows, num_groups);
+  if (!has_shape(tile_table->dimensions(), {max_tiles, 4}))
+    return shape_error(target, "tile_table", "[" + std::to_string(max_tiles) + ", 4]",
+                       tile_table->dimensions());
+  const moonep::GmmRowsParams params{
+      .op = op,
+      .in = in.untyped_data(),
+      .w_local = w_local.untyped_data(),
+      .w_slots = w_slots.untyped_data(),
+      .out = out->untyped_data(),
+      .cu_seqlens = cu_seqlens.typed_data(),
+      .ep_rank = ep_rank.typed_data(),
+      .tile_table = tile_table->typed_data(),
+      .num_rows = static_cast<int32_t>(num_rows),
+      .d0 = static_cast<int32_t>(d0),
+      .d1 = static_cast<int32_t>(d1),
+      .num_local = static_cast<int32_t>(wl[0]),
+      .num_slots = static_cast<int32_t>(w_slots.dimensions()[0]),
+      .num_groups = static_cast<int32_t>(num_groups),
+  };
+  if (cudaError_t e = moonep::launch_gmm_rows(params, stream); e != cudaSuccess)
+    return cuda_error(target, e);
+  return ffi::Error::Success();
+}
+
+ffi::Error GmmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w_local,
+                      ffi::Buffer<ffi::BF16> w_slots, ffi::Buffer<ffi::S32> cu_seqlens,
+                      ffi::Buffer<ffi::S32> ep_rank, ffi::ResultBuffer<ffi::BF16> y,
+                      ffi::ResultBuffer<ffi::S32> tile_table) {
+  return GmmRows(moonep::GmmRowsOp::kForward, "moonep_gmm_fwd", stream, x, w_local, w_slots,
+                 cu_seqlens, ep_rank, y, tile_table);
+}
+
+ffi::Error GmmDxImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w_local,
+                     ffi::Buffer<ffi::BF16> w_slots, ffi::Buffer<ffi::S32> cu_seqlens,
+                     ffi::Buffer<ffi::S32> ep_rank, ffi::ResultBuffer<ffi::BF16> dx,
+                     ffi::ResultBuffer<ffi::S32> tile_table) {
+  return GmmRows(moonep::GmmRowsOp::kDx, "moonep_gmm_dx", stream, dy, w_local, w_slots,
+                 cu_seqlens, ep_rank, dx, tile_table);
+}
+
+ffi::Error GmmDwImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> dy,
+                     ffi::Buffer<ffi::S32> cu_seqlens, ffi::Buffer<ffi::S32> ep_rank,
+                     ffi::ResultBuffer<ffi::F32> dw_local, ffi::ResultBuffer<ffi::F32> dw_slots) {
+  constexpr const char* kTarget = "moonep_gmm_dw";
+  auto xd = x.dimensions(), dyd = dy.dimensions(), wl = dw_local->dimensions();
+  if (xd.size() != 2) return shape_error(kTarget, "x", "[NvS, D0]", xd);
+  if (dyd.size() != 2 || dyd[0] != xd[0]) return shape_error(kTarget, "dy", "[NvS, D1]", dyd);
+  if (!has_shape(wl, {wl.size() == 3 ? wl[0] : -1, xd[1], dyd[1]}))
+    return shape_error(kTarget, "dw_local", "[epn, D0, D1]", wl);
+  auto ws = dw_slots->dimensions();
+  if (!has_shape(ws, {ws.size() == 3 ? ws[0] : -1, xd[1], dyd[1]}))
+    return shape_error(kTarget, "dw_slots", "[B, D0, D1]", ws);
+  if (cu_seqlens.dimensions().size() != 1)
+    return shape_error(kTarget, "cu_seqlens", "[G]", cu_seqlens.dimensions());
+  if (ep_rank.element_count() != 1)
+    return shape_error(kTarget, "ep_rank", "[1]", ep_rank.dimensions());
+  const moonep::GmmDwParams params{
+      .x = x.untyped_data(),
+      .dy = dy.untyped_data(),
+      .dw_local = dw_local->typed_data(),
+      .dw_slots = dw_slots->typed_data(),
+      .cu_seqlens = cu_seqlens.typed_data(),
+      .ep_rank = ep_rank.typed_data(),
+      .num_rows = static_cast<int32_t>(xd[0]),
+      .d0 = static_cast<int32_t>(xd[1]),
+      .d1 = static_cast<int32_t>(dyd[1]),
+      .num_local = static_cast<int32_t>(wl[0]),
+      .num_slots = static_cast<int32_t>(ws[0]),
+      .num_groups = static_cast<int32_t>(cu_seqlens.dimensions()[0]),
+  };
+  if (cudaError_t e = moonep::launch_gmm_dw(params, stream); e != cudaSuccess)
+    return cuda_error(kTarget, e);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#define MOONEP_GMM_ROWS_BINDING                                                      \
+  ffi::Ffi::Bind()                                                                   \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                                      \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* x (fwd) | dy (dX) [NvS, K] */                \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* w_local [epn, D0, D1] */                     \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* w_slots [B, D0, D1] */                       \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* cu_seqlens [G] */                            \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* ep_rank [1] */                               \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* y [NvS, D1] (fwd) | dx [NvS, D0] (dX) */     \
+      .Ret<ffi::Buffer<ffi::S32>>()  /* tile_table scratch [gmm_max_tiles, 4] */
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmFwd, GmmFwdImpl, MOONEP_GMM_ROWS_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmDx, GmmDxImpl, MOONEP_GMM_ROWS_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmDw, GmmDwImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x [NvS, D0]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // dy [NvS, D1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // cu_seqlens [G]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // ep_rank [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dw_local [epn, D0, D1]
+                                  .Ret<ffi::Buffer<ffi::F32>>(),  // dw_slots [B, D0, D1]
+                              {ffi::Traits::kCmdBufferCompatible});
