@@ -51,3 +51,112 @@ def test_zero_rows_in_place_inside_donating_jit(seed):
     expected = np.asarray(_zero_rows_reference(buf, zero_fill))
     out = jax.jit(_zero_rows, donate_argnums=0)(buf, zero_fill)
     assert np.array_equal(np.asarray(out).view(np.uint16), expected.view(np.uint16))
+
+
+# ---- grouped GEMM -------------------------------------------------------------------------------
+
+NUM_EXPERTS, NUM_RANKS, RANK = 8, 2, 1
+EPN = NUM_EXPERTS // NUM_RANKS
+NUM_GROUPS = NUM_EXPERTS + EPN  # B = epn (training)
+
+
+def _group_sizes(rng, case, num_rows):
+    """Sizes of the G groups; only this rank's experts and the slots are non-empty."""
+    active = [g for g in range(NUM_GROUPS)
+              if RANK * EPN <= g < (RANK + 1) * EPN or g >= NUM_EXPERTS]
+    sizes = np.zeros(NUM_GROUPS, np.int64)
+    if case == "random":
+        sizes[active] = rng.integers(0, 2 * num_rows // len(active), len(active))
+        sizes[active[1]] = 0
+        sizes[active[-1]] = 0
+    elif case == "giant":
+        sizes[active[2]] = num_rows - 5  # one group, tail of 5 zero rows
+    elif case == "one_row":
+        sizes[active] = 1
+    scale = min(1.0, (num_rows - 3) / max(sizes.sum(), 1))  # leave overflow rows at the end
+    return np.floor(sizes * scale).astype(np.int64)
+
+
+def _group_of_rows(cu_seqlens, num_rows):
+    return np.searchsorted(cu_seqlens, np.arange(num_rows), side="right")
+
+
+def _weight_of_group(g, w_local, w_slots):
+    return w_slots[g - NUM_EXPERTS] if g >= NUM_EXPERTS else w_local[g - RANK * EPN]
+
+
+def _assert_bf16_close(out, ref):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out).all()
+    rms = np.sqrt(np.mean(ref ** 2)) + 1e-30
+    assert np.linalg.norm(out - ref) / (np.linalg.norm(ref) + 1e-30) < 1e-2
+    assert (np.abs(out - ref) <= 0.02 * np.abs(ref) + 0.05 * rms).all()
+
+
+def _inputs(seed, case, num_rows, d0, d1):
+    rng = np.random.default_rng(seed)
+    sizes = _group_sizes(rng, case, num_rows)
+    cu_seqlens = np.cumsum(sizes).astype(np.int32)
+    bf16 = lambda shape: rng.standard_normal(shape).astype(jnp.bfloat16)  # noqa: E731
+    return (cu_seqlens, bf16((num_rows, d0)), bf16((num_rows, d1)), bf16((EPN, d0, d1)),
+            bf16((EPN, d0, d1)))
+
+
+SHAPES = [(1000, 256, 512), (777, 136, 264), (4096, 1024, 2048)]
+CASES = ["random", "giant", "one_row"]
+
+
+@pytest.mark.parametrize("num_rows,d0,d1", SHAPES)
+@pytest.mark.parametrize("case", CASES)
+def test_gmm_forward_and_dx_match_fp32_reference(seed, case, num_rows, d0, d1):
+    from moonep_jax._cuda.gemm import grouped_matmul, grouped_matmul_dx
+
+    cu_seqlens, x, dy, w_local, w_slots = _inputs(seed, case, num_rows, d0, d1)
+    rank = np.array([RANK], np.int32)
+    y, dx = jax.jit(lambda *a: (grouped_matmul(a[0], a[2], a[3], a[4], a[5]),
+                                grouped_matmul_dx(a[1], a[2], a[3], a[4], a[5])))(
+        x, dy, w_local, w_slots, cu_seqlens, rank)
+    y, dx = np.asarray(y, np.float32), np.asarray(dx, np.float32)
+    groups = _group_of_rows(cu_seqlens, num_rows)
+    y_ref = np.zeros((num_rows, d1), np.float32)
+    dx_ref = np.zeros((num_rows, d0), np.float32)
+    for r in range(cu_seqlens[-1]):
+        w = _weight_of_group(groups[r], w_local, w_slots).astype(np.float32)
+        y_ref[r] = x[r].astype(np.float32) @ w
+        dx_ref[r] = w @ dy[r].astype(np.float32)
+    assert cu_seqlens[-1] < num_rows
+    assert (y[cu_seqlens[-1]:] == 0).all() and (dx[cu_seqlens[-1]:] == 0).all()
+    _assert_bf16_close(y, y_ref)
+    _assert_bf16_close(dx, dx_ref)
+
+
+@pytest.mark.parametrize("num_rows,d0,d1", SHAPES)
+@pytest.mark.parametrize("case", CASES)
+def test_gmm_dw_matches_fp32_reference(seed, case, num_rows, d0, d1):
+    from moonep_jax._cuda.gemm import grouped_matmul_dw
+
+    cu_seqlens, x, dy, _, _ = _inputs(seed, case, num_rows, d0, d1)
+    rank = np.array([RANK], np.int32)
+    dw_local, dw_slots = jax.jit(grouped_matmul_dw, static_argnums=(4, 5))(
+        x, dy, cu_seqlens, rank, EPN, EPN)
+    starts = np.concatenate([[0], cu_seqlens[:-1]])
+    xf, dyf = x.astype(np.float32), dy.astype(np.float32)
+    ref = lambda g: xf[starts[g]:cu_seqlens[g]].T @ dyf[starts[g]:cu_seqlens[g]]  # noqa: E731
+    for j in range(EPN):
+        for out, g in ((dw_local[j], RANK * EPN + j), (dw_slots[j], NUM_EXPERTS + j)):
+            out, expected = np.asarray(out), ref(g)
+            if cu_seqlens[g] == starts[g]:
+                assert (out == 0).all(), f"empty group {g} must give zeros"
+                continue
+            scale = np.sqrt(np.mean(expected ** 2)) + 1e-30
+            assert np.abs(out - expected).max() <= 1e-3 * scale * max(1, cu_seqlens[g] - starts[g]) ** 0.5, g
+
+
+def test_gmm_rejects_inference_overflow_configs():
+    from moonep_jax import EPConfig
+    from moonep_jax._cuda.gemm import gmm_impl
+
+    cfg = EPConfig(num_experts=8, top_k=2, tokens_per_rank=16, hidden=64, ffn_hidden=64,
+                   num_ranks=2, prefetch_slots=2)
+    with pytest.raises(NotImplementedError, match="B == epn"):
+        gmm_impl(None, None, None, None, cfg)

@@ -1,0 +1,128 @@
+"""Grouped GEMM throughput against dense `jnp.dot` and `jax.lax.ragged_dot`, one GPU.
+
+M = S*K = 65536 rows, H = 7168, F = 2048: gate+up (K = H, N = 2F) and down (K = F, N = H), for
+forward, dX and dW. G = E + B groups (E = 384, EP = 2, B = epn) hold this rank's experts and its
+slots; their sizes follow a log-normal popularity whose skew is tuned to each maxvio target
+(the planner caps every rank at S*K rows, so per-group sizes are what varies). Writes
+benchmarks/results/bench_gemm_<gpu>.json and prints a table.
+
+    python benchmarks/bench_gemm.py [--reps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+M, H, F = 65536, 7168, 2048
+E, R = 384, 2
+EPN = E // R
+RANK = 0
+MAXVIO = (0.2, 1.0, 10.0, 20.0)
+
+
+def group_sizes(maxvio: float, rng) -> np.ndarray:
+    """G = E + EPN sizes summing to M: this rank's EPN experts then EPN slots, others empty."""
+    sigma = 0.05
+    for _ in range(60):  # widen the log-normal until the hottest expert reaches the target
+        pop = rng.lognormal(0.0, sigma, 2 * EPN)
+        if pop.max() / pop.mean() - 1 >= maxvio:
+            break
+        sigma *= 1.15
+    counts = np.floor(pop / pop.sum() * M).astype(np.int64)
+    counts[np.argmax(counts)] += M - counts.sum()
+    sizes = np.zeros(E + EPN, np.int64)
+    sizes[RANK * EPN:(RANK + 1) * EPN] = counts[:EPN]
+    sizes[E:] = counts[EPN:]
+    return sizes
+
+
+def time_ms(fn, *args, reps: int) -> list[float]:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def record(name, times, flops, **extra):
+    median = float(np.median(times))
+    return {"name": name, "times_ms": times, "median_ms": median,
+            "tflops": flops / (median * 1e-3) / 1e12, **extra}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    from moonep_jax._cuda import gemm
+
+    rng = np.random.default_rng(0)
+    rank = jnp.array([RANK], jnp.int32)
+    results = []
+    for proj, (d0, d1) in {"gate_up": (H, 2 * F), "down": (F, H)}.items():
+        flops = 2.0 * M * d0 * d1
+        x = jnp.asarray(rng.standard_normal((M, d0)), jnp.bfloat16)
+        dy = jnp.asarray(rng.standard_normal((M, d1)), jnp.bfloat16)
+        w_local = jnp.asarray(rng.standard_normal((EPN, d0, d1)) * 0.02, jnp.bfloat16)
+        w_slots = jnp.asarray(rng.standard_normal((EPN, d0, d1)) * 0.02, jnp.bfloat16)
+        w_dense = w_local[0]
+        results.append(record(f"{proj}/dense_fwd", time_ms(jax.jit(jnp.dot), x, w_dense,
+                                                           reps=args.reps), flops))
+        results.append(record(f"{proj}/dense_dx", time_ms(jax.jit(lambda a, b: a @ b.T), dy,
+                                                          w_dense, reps=args.reps), flops))
+        results.append(record(f"{proj}/dense_dw", time_ms(
+            jax.jit(lambda a, b: jnp.dot(a.T, b, preferred_element_type=jnp.float32)), x, dy,
+            reps=args.reps), flops))
+        for maxvio in MAXVIO:
+            sizes = group_sizes(maxvio, rng)
+            cu = jnp.asarray(np.cumsum(sizes), jnp.int32)
+            nonzero = sizes[sizes > 0]
+            extra = {"maxvio_target": maxvio, "num_groups": int(len(sizes)),
+                     "max_group": int(sizes.max()),
+                     "group_skew_measured": float(nonzero.max() / nonzero.mean() - 1)}
+            fwd = jax.jit(gemm.grouped_matmul)
+            dx = jax.jit(gemm.grouped_matmul_dx)
+            dw = jax.jit(gemm.grouped_matmul_dw, static_argnums=(4, 5))
+            results.append(record(f"{proj}/moonep_fwd", time_ms(
+                fwd, x, w_local, w_slots, cu, rank, reps=args.reps), flops, **extra))
+            results.append(record(f"{proj}/moonep_dx", time_ms(
+                dx, dy, w_local, w_slots, cu, rank, reps=args.reps), flops, **extra))
+            results.append(record(f"{proj}/moonep_dw", time_ms(
+                dw, x, dy, cu, rank, EPN, EPN, reps=args.reps), flops, **extra))
+            # ragged_dot over the non-empty groups' weights (a reference, not a rival).
+            active = np.nonzero(sizes)[0]
+            w_all = jnp.concatenate([w_local, w_slots])
+            mats = np.where(active >= E, active - E + EPN, active - RANK * EPN)
+            ragged = jax.jit(lambda a, w, s: jax.lax.ragged_dot(a, w, s))
+            results.append(record(f"{proj}/ragged_dot_fwd", time_ms(
+                ragged, x, w_all[mats], jnp.asarray(sizes[active], jnp.int32),
+                reps=max(3, args.reps // 5)), flops, **extra))
+
+    device = jax.devices()[0].device_kind.replace(" ", "_")
+    out = pathlib.Path(__file__).parent / "results" / f"bench_gemm_{device}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"device_kind": jax.devices()[0].device_kind,
+                               "jax": jax.__version__, "M": M, "H": H, "F": F, "E": E, "R": R,
+                               "records": results}, indent=1))
+    dense = {r["name"]: r["tflops"] for r in results if "/dense_" in r["name"]}
+    print(f"{'name':28s} {'maxvio':>6s} {'ms':>8s} {'TFLOP/s':>8s} {'% dense':>8s}")
+    for r in results:
+        proj, kind = r["name"].split("/")
+        base = dense.get(f"{proj}/dense_{kind.split('_')[-1]}")
+        pct = f"{100 * r['tflops'] / base:7.1f}%" if base else ""
+        print(f"{r['name']:28s} {r.get('maxvio_target', ''):>6} {r['median_ms']:8.3f} "
+              f"{r['tflops']:8.1f} {pct:>8s}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
