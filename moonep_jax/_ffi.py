@@ -1,6 +1,7 @@
 """The one module that loads the CUDA extension and registers its XLA FFI targets.
 
-The extension `moonep_jax._lib._moonep_cuda` is built by CMake when a CUDA toolkit is present. It
+The extension `_moonep_jax_cuda` (a private top-level module, so that an in-tree checkout on
+sys.path never shadows the installed binary) is built by CMake when a CUDA toolkit is present. It
 exports `registrations()` (target name -> handler capsule); every target is registered once, for
 platform "CUDA", when this module is imported. Without the extension the package runs the xla
 implementation only, and `unavailable_reason()` says why.
@@ -17,9 +18,9 @@ _lib: types.ModuleType | None = None
 _reason: str | None = None
 
 try:
-    _lib = importlib.import_module("moonep_jax._lib._moonep_cuda")
+    _lib = importlib.import_module("_moonep_jax_cuda")
 except ImportError as e:  # built without CUDA, or not built at all
-    _reason = (f"the CUDA extension moonep_jax._lib._moonep_cuda is not importable ({e}); "
+    _reason = (f"the CUDA extension _moonep_jax_cuda is not importable ({e}); "
                "install with a CUDA 13 toolkit on PATH to build it")
 else:
     for _name, _capsule in _lib.registrations().items():

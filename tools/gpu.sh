@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU runner, in two halves of one script.
+#
+#   bash tools/gpu.sh build            # here, on the CPU machine: compile the extension into .gpu/
+#   bash tools/gpu.sh run [BENCH ...]  # there, through the device tool with carry [".gpu"]:
+#                                      # every @pytest.mark.gpu test, then the named benchmarks
+#
+# `run` writes under $OUT (the device tool's folder that comes back): gpu_tests.log (pytest),
+# junit.xml, env.txt, and one JSON record + log per benchmark (benchmarks/<name>.py --out $OUT).
+# BENCH names are benchmark scripts without .py (bench_dispatch, bench_gemm, bench_layer) and may
+# carry arguments after a colon: bench_dispatch:--quick.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+build() {
+  set -e
+  local py=${PYTHON:-}
+  if [ -z "$py" ]; then py=$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 ); fi
+  cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$py")" \
+    -Dpybind11_DIR="$("$py" -m pybind11 --cmakedir)"
+  cmake --build build/gpu
+  rm -rf .gpu && mkdir -p .gpu
+  cp build/gpu/_moonep_jax_cuda*.so .gpu/
+  echo "built $(ls .gpu); pass carry [\".gpu\"] and run: bash tools/gpu.sh run"
+}
+
+run() {
+  OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+  export PYTHONPATH="$PWD/.gpu:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
+  { nvidia-smi; python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())";
+    git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1
+  cat "$OUT/env.txt"
+  local status=0
+  timeout "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -v -rs --junitxml="$OUT/junit.xml" tests \
+    2>&1 | tee "$OUT/gpu_tests.log" || status=1
+  for spec in "$@"; do
+    local name=${spec%%:*} args=""
+    [ "$spec" != "$name" ] && args=${spec#*:}
+    echo "== benchmark $name $args"
+    # shellcheck disable=SC2086
+    timeout "${GPU_BENCH_TIMEOUT:-300}" python3 "benchmarks/$name.py" --out "$OUT" $args \
+      2>&1 | tee "$OUT/$name.log" || status=1
+  done
+  tail -n 30 "$OUT/gpu_tests.log" | grep -E "passed|failed|error" || true
+  return $status
+}
+
+case "${1:-}" in
+  build) build ;;
+  run) shift; run "$@" ;;
+  *) echo "usage: bash tools/gpu.sh build | run [BENCH[:ARGS] ...]" >&2; exit 2 ;;
+esac
