@@ -101,7 +101,7 @@ def _combine_xla(y: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
     rows = _return_rows(y, plan, cfg).astype(jnp.float32)  # [S, K, H]
     dest, _, valid = decode_dst(plan.dst.reshape(S, K), cfg.nvs)
     same_rank = valid[:, :, None] & valid[:, None, :] & (dest[:, :, None] == dest[:, None, :])
-    first_on_rank = valid & ~jnp.any(same_rank & jnp.tri(K, k=-1, dtype=bool), axis=2)
+    first_on_rank = valid & ~jnp.any(same_rank & jnp.tri(K, k=-1, dtype=bool)[None], axis=2)
 
     # Stage 1, for each k that is the first on its rank: the fp32 sum of the rows on that rank in
     # ascending k2 >= k (no lower k2 shares the rank). Stage 2: those partial sums, rounded to y's
