@@ -80,14 +80,13 @@ def _prefetch(w_local, plan, cfg):
 
 
 def _prefetch_fwd(w_local, plan, cfg):
-    return _prefetch(w_local, plan, cfg), (plan, w_local.dtype)
+    return _prefetch(w_local, plan, cfg), plan
 
 
-def _prefetch_bwd(cfg, residuals, d_slots):
-    plan, dtype = residuals
+def _prefetch_bwd(cfg, plan, d_slots):
     zeros = _checks.zeros_varying_like((cfg.epn,) + d_slots.shape[1:], _F32, d_slots)
     d_local = _checks.backend("reduce_grad", cfg)(zeros, d_slots.astype(_F32), plan, cfg)
-    return d_local.astype(dtype), None
+    return d_local.astype(d_slots.dtype), None  # w_slots and w_local share a dtype
 
 
 _prefetch.defvjp(_prefetch_fwd, _prefetch_bwd)
