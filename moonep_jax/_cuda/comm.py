@@ -1,0 +1,111 @@
+"""CUDA backends of the communication ops: zero-copy dispatch, combine, prefetch and reduce_grad.
+
+Each function has the signature of docs/CONTRACT.md and runs inside `jax.shard_map` over the EP
+axis, per rank. It is one XLA FFI call (`xla_ffi/<op>.cc`): the kernels publish the addresses of
+XLA's own operand/result buffers to the peers, barrier, move rows over NVLink straight into (or out
+of) those buffers, and barrier again on exit. Result types come from `jax.typeof(...)` so that they
+keep the operands' varying-mesh-axis annotation.
+
+Every call also receives the transport attributes: `mesh_ordinals` (the CUDA ordinals of the
+concrete mesh, one row per EP group; the kernels find their EP rank in it), `num_ranks`,
+`num_sms` (CTAs of the data kernels) and `timeout_ns` (bound of every cross-GPU wait).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moonep_jax._cuda import transport
+from moonep_jax.config import EPConfig
+from moonep_jax.plan_types import Plan
+
+# Dtypes the kernels move as byte copies (dispatch, prefetch) and that combine sums in fp32.
+_COPY_ITEMSIZES = (2, 4)
+_SUM_DTYPES = (jnp.bfloat16, jnp.float32)
+
+
+def _transport_attrs(cfg: EPConfig) -> dict:
+    return dict(
+        mesh_ordinals=transport.mesh_ordinals(cfg),
+        num_ranks=np.int32(cfg.num_ranks),
+        num_sms=np.int32(cfg.cuda.num_sms),
+        timeout_ns=np.int64(round(cfg.cuda.timeout_s * 1e9)),
+    )
+
+
+def _require_copyable(op: str, name: str, x: jax.Array) -> None:
+    if jnp.dtype(x.dtype).itemsize not in _COPY_ITEMSIZES:
+        raise NotImplementedError(
+            f"`{op}` (implementation='cuda'): `{name}` must have a 2- or 4-byte dtype "
+            f"(bfloat16, float16, float32); got {x.dtype}. Use implementation='xla'.")
+
+
+def _require_summable(op: str, name: str, x: jax.Array) -> None:
+    if x.dtype not in _SUM_DTYPES:
+        raise NotImplementedError(
+            f"`{op}` (implementation='cuda'): `{name}` must be bfloat16 or float32; got {x.dtype}. "
+            "Use implementation='xla'.")
+
+
+def dispatch_impl(x: jax.Array, topk_w: jax.Array, plan: Plan,
+                  cfg: EPConfig) -> tuple[jax.Array, jax.Array]:
+    """Zero-copy dispatch: `x [S, H]`, `topk_w [S, K] f32` -> `(recv_x [NvS, H], recv_w [NvS] f32)`.
+
+    Each token's row crosses the link once per destination rank (its primary entries); duplicate
+    rows are filled on the receiver from their primary row. Rows no entry owns are zero.
+    """
+    _require_copyable("moonep_jax.dispatch", "x", x)
+    recv_x = jax.typeof(x).update(shape=(cfg.nvs, x.shape[1]))
+    recv_w = jax.typeof(x).update(shape=(cfg.nvs,), dtype=jnp.float32)
+    return jax.ffi.ffi_call("moonep_dispatch", (recv_x, recv_w))(
+        x, topk_w, plan.dst, plan.recv_src, plan.recv_primary, **_transport_attrs(cfg))
+
+
+def combine_impl(y: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
+    """Zero-copy combine: `y [NvS, H]` -> `[S, H]`, read in place from the owners' `y`.
+
+    Two-stage sum of docs/CONTRACT.md (per destination rank in ascending k, rounded to y's dtype,
+    then over destinations in the order of their lowest k), bitwise equal to the xla reference.
+    """
+    _require_summable("moonep_jax.combine", "y", y)
+    out = jax.typeof(y).update(shape=(cfg.tokens_per_rank, y.shape[1]))
+    return jax.ffi.ffi_call("moonep_combine", out)(
+        y, plan.dst, top_k=np.int32(cfg.top_k), **_transport_attrs(cfg))
+
+
+def combine_weights_impl(recv_w: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
+    """Weight gather (dispatch backward): `recv_w [NvS] f32` -> `topk_w [S, K] f32`.
+
+    `topk_w[t, k]` = the owner's `recv_w` at entry (t, k)'s own row (duplicates included); 0 for
+    dropped entries.
+    """
+    topk_w = jax.typeof(recv_w).update(shape=(cfg.tokens_per_rank, cfg.top_k))
+    return jax.ffi.ffi_call("moonep_combine_weights", topk_w)(
+        recv_w, plan.dst, **_transport_attrs(cfg))
+
+
+def prefetch_impl(w_local: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
+    """Zero-copy prefetch: `w_local [epn, D0, D1]` -> `w_slots [B, D0, D1]`, pulled from the homes.
+
+    `w_slots[b]` is exactly the home rank's weights of `experts_to_copy[rank, b]`; unused slots are
+    zero. One call copies one tensor (call it per projection).
+    """
+    _require_copyable("moonep_jax.prefetch", "w_local", w_local)
+    w_slots = jax.typeof(w_local).update(shape=(cfg.num_slots,) + tuple(w_local.shape[1:]))
+    return jax.ffi.ffi_call("moonep_prefetch", w_slots)(
+        w_local, plan.experts_to_copy, **_transport_attrs(cfg))
+
+
+def reduce_grad_impl(g_local: jax.Array, g_slots: jax.Array, plan: Plan,
+                     cfg: EPConfig) -> jax.Array:
+    """Zero-copy gradient reduction: `g_local [epn, D0, D1] f32` plus the replicas' slot gradients.
+
+    `g[e] = g_local[e]`, then for (source rank r, slot b) ascending with `experts_to_copy[r, b]`
+    == e, `g[e] += g_slots of rank r [b]` in fp32, read in place from rank r (bitwise equal to the
+    xla reference).
+    """
+    g = jax.typeof(g_local)
+    return jax.ffi.ffi_call("moonep_reduce_grad", g)(
+        g_local, g_slots, plan.experts_to_copy, **_transport_attrs(cfg))

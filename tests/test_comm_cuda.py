@@ -1,0 +1,355 @@
+"""The CUDA zero-copy dispatch, combine, prefetch and reduce_grad against the xla reference.
+
+Runs on 1 and 2 GPUs (R = 1 and R = 2; a test skips when fewer GPUs exist). Plans come from the
+xla planner, so these tests isolate the communication kernels. Both implementations run in the
+same jitted program on the same inputs and are compared with `np.array_equal`; combine is also
+checked against an fp32 reference built on the host, and prefetch / reduce_grad against NumPy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import moonep_jax
+from moonep_jax import _checks, routing
+from moonep_jax.combine import combine
+from moonep_jax.dispatch import dispatch
+from moonep_jax.experts import prefetch, reduce_grad
+from moonep_jax.plan import plan
+
+pytestmark = pytest.mark.gpu
+
+IMPLS = ("xla", "cuda")
+MAXVIOS = (0.0, 0.2, 1.0, 10.0, 20.0)
+# (dtype, H, maxvio): the sweep on 16-byte rows, then rows of 4-byte (f32, H=100) and 2-byte
+# (bf16, H=7) multiples, which take the narrower copy paths.
+ROW_CASES = ([(jnp.bfloat16, 256, maxvio) for maxvio in MAXVIOS]
+             + [(jnp.float32, 100, 10.0), (jnp.bfloat16, 7, 1.0)])
+# E / K = 32 > 21, so a maxvio of 20 is reachable with K distinct experts per token.
+S, K, E = 96, 4, 128
+
+
+def _config(R: int, impl: str, H: int = 256, **overrides) -> moonep_jax.EPConfig:
+    kwargs = dict(num_experts=E, top_k=K, tokens_per_rank=S, hidden=H, ffn_hidden=16,
+                  num_ranks=R, token_padding=2, implementation=impl)
+    kwargs.update(overrides)
+    return moonep_jax.EPConfig(**kwargs)
+
+
+def _configs(R: int, **overrides) -> dict[str, moonep_jax.EPConfig]:
+    return {impl: _config(R, impl, **overrides) for impl in IMPLS}
+
+
+@pytest.fixture(params=[1, 2], ids=["R1", "R2"])
+def mesh(request, mesh_factory):
+    from moonep_jax._cuda import transport
+
+    mesh = mesh_factory(request.param)
+    transport.bootstrap(mesh, "ep")
+    return mesh
+
+
+def _routing(seed: int, R: int, maxvio: float, cfg: moonep_jax.EPConfig) -> np.ndarray:
+    """Global `[R * S, K]` ids at about `maxvio`, with repeated ids in 20% of the tokens and 10%
+    of the entries dropped (-1)."""
+    key = jax.random.key(seed)
+    S_, K_, E_ = cfg.tokens_per_rank, cfg.top_k, cfg.num_experts
+    topk_idx, _, _ = routing.lognormal_for_maxvio(key, R, S_, K_, E_, maxvio)
+    topk_idx = routing.with_duplicates(jax.random.fold_in(key, 1), topk_idx, 0.2)
+    topk_idx = routing.with_dropped(jax.random.fold_in(key, 2), topk_idx, 0.1)
+    return np.asarray(topk_idx).reshape(R * S_, K_)
+
+
+def _per_rank(fn, mesh):
+    """jit(shard_map(fn)) with every operand and output split over "ep" on the leading axis."""
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+
+
+def _stack(tree):
+    """Gives every leaf a leading rank axis of 1, so that out_specs=P("ep") stacks the ranks."""
+    return jax.tree.map(lambda leaf: leaf[None], tree)
+
+
+def _poison_allocator(mesh, nbytes_per_rank: int) -> None:
+    """Allocates and frees NaN-filled buffers so that fresh XLA buffers likely start as NaN."""
+    sharding = jax.NamedSharding(mesh, P("ep"))
+    n = mesh.devices.size * (nbytes_per_rank // 4 + 1)
+    jax.device_put(np.full(n, np.nan, np.float32), sharding).block_until_ready()
+
+
+# ---- dispatch -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,H,maxvio", ROW_CASES)
+def test_dispatch_rows_and_weights_bitwise_equal_to_xla(mesh, seed, maxvio, dtype, H):
+    R = mesh.devices.size
+    cfgs = _configs(R, H=H)
+    rng = np.random.default_rng(seed)
+    topk_idx = _routing(seed, R, maxvio, cfgs["xla"])
+    x = rng.standard_normal((R * S, H)).astype(dtype)
+    topk_w = rng.random((R * S, K), np.float32) + 0.5
+
+    def per_rank(topk_idx, x, topk_w):
+        p = plan(topk_idx, cfgs["xla"])
+        out = {impl: dispatch(x, topk_w, p, cfg)[:2] for impl, cfg in cfgs.items()}
+        return _stack((out, p.recv_src))
+
+    _poison_allocator(mesh, 4 * cfgs["xla"].nvs * H)
+    out, recv_src = _per_rank(per_rank, mesh)(topk_idx, x, topk_w)
+    for xla_result, cuda_result in zip(out["xla"], out["cuda"]):
+        np.testing.assert_array_equal(np.asarray(cuda_result), np.asarray(xla_result))
+    # Rows no entry owns (padding with tp = 2, the tail) are zero, not left over memory.
+    unowned = np.asarray(recv_src) < 0
+    assert unowned.any()
+    assert not np.asarray(out["cuda"][0], np.float32)[unowned].any()
+    assert not np.asarray(out["cuda"][1])[unowned].any()
+
+
+# ---- combine ------------------------------------------------------------------------------------
+
+
+def _bf16_ulp(value: np.ndarray) -> np.ndarray:
+    """Spacing of bfloat16 numbers (8 significant bits) at |value|."""
+    exponent = np.floor(np.log2(np.maximum(np.abs(value), np.finfo(np.float32).tiny)))
+    return np.exp2(exponent - 7)
+
+
+def _fp32_combine_reference(y: np.ndarray, dst: np.ndarray, nvs: int) -> np.ndarray:
+    """`[R, S, H]` float64 exact sums of every token's valid entries' rows, from all ranks' y."""
+    R = y.shape[0]
+    dst = dst.reshape(R, S, K).astype(np.int64)
+    valid = dst != moonep_jax.DROPPED
+    raw = np.where(valid, np.where(dst >= 0, dst, -dst - 1), 0)
+    rows = y.astype(np.float64)[raw // nvs, raw % nvs]  # [R, S, K, H]
+    return np.where(valid[..., None], rows, 0.0).sum(axis=2)
+
+
+@pytest.mark.parametrize("dtype,H,maxvio", ROW_CASES)
+def test_combine_bitwise_equal_to_xla(mesh, seed, maxvio, dtype, H):
+    R = mesh.devices.size
+    cfgs = _configs(R, H=H)
+    nvs = cfgs["xla"].nvs
+    rng = np.random.default_rng(seed)
+    topk_idx = _routing(seed, R, maxvio, cfgs["xla"])
+    y = rng.standard_normal((R * nvs, H)).astype(dtype)
+
+    def per_rank(topk_idx, y):
+        p = plan(topk_idx, cfgs["xla"])
+        return _stack({impl: combine(y, p, cfg) for impl, cfg in cfgs.items()})
+
+    _poison_allocator(mesh, 4 * S * H)
+    out = _per_rank(per_rank, mesh)(topk_idx, y)
+    np.testing.assert_array_equal(np.asarray(out["cuda"]), np.asarray(out["xla"]))
+
+
+@pytest.mark.parametrize("maxvio", (0.2, 20.0))
+def test_combine_within_one_and_a_half_bf16_ulp_of_fp32(mesh, seed, maxvio):
+    """Two roundings (per destination rank, then the total) of same-sign terms: at most 1 ulp of
+    the result plus 0.5 ulp per extra destination rank; with R <= 2, 1.5 ulp (MoonEP's bound)."""
+    R = mesh.devices.size
+    cfg = _config(R, "cuda")
+    rng = np.random.default_rng(seed)
+    topk_idx = _routing(seed, R, maxvio, cfg)
+    x = rng.standard_normal((R * S, cfg.hidden)).astype(jnp.bfloat16)
+    row_scale = (1.0 + (np.arange(cfg.nvs) % 7) / 8).astype(np.float32)
+
+    def per_rank(topk_idx, x):
+        p = plan(topk_idx, dataclasses.replace(cfg, implementation="xla"))
+        recv_x, _, _ = dispatch(x, jnp.ones((S, K), jnp.float32), p, cfg)
+        y = (recv_x.astype(jnp.float32) * row_scale[:, None]).astype(jnp.bfloat16)  # same signs
+        return _stack((combine(y, p, cfg), y, p.dst))
+
+    out, y, dst = map(np.asarray, _per_rank(per_rank, mesh)(topk_idx, x))
+    reference = _fp32_combine_reference(y, dst, cfg.nvs)
+    error_in_ulps = np.abs(out.astype(np.float64) - reference) / _bf16_ulp(reference)
+    assert error_in_ulps.max() <= 1.5, error_in_ulps.max()
+
+
+@pytest.mark.parametrize("maxvio", (0.0, 10.0))
+def test_combine_weights_bitwise_equal_to_xla(mesh, seed, maxvio):
+    R = mesh.devices.size
+    cfgs = _configs(R)
+    rng = np.random.default_rng(seed)
+    topk_idx = _routing(seed, R, maxvio, cfgs["xla"])
+    recv_w = rng.standard_normal(R * cfgs["xla"].nvs).astype(np.float32)
+
+    def per_rank(topk_idx, recv_w):
+        p = plan(topk_idx, cfgs["xla"])
+        return _stack({impl: _checks.backend("combine_weights", cfg)(recv_w, p, cfg)
+                       for impl, cfg in cfgs.items()})
+
+    out = _per_rank(per_rank, mesh)(topk_idx, recv_w)
+    np.testing.assert_array_equal(np.asarray(out["cuda"]), np.asarray(out["xla"]))
+
+
+# ---- prefetch and reduce_grad -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_slots", [None, 3], ids=["B=epn", "B=3"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_prefetch_copies_home_weights_exactly(mesh, seed, num_slots, dtype):
+    R = mesh.devices.size
+    cfgs = _configs(R, prefetch_slots=num_slots)
+    epn = cfgs["xla"].epn
+    rng = np.random.default_rng(seed)
+    topk_idx = _routing(seed, R, 10.0, cfgs["xla"])
+    w_local = rng.standard_normal((R * epn, 24, 40)).astype(dtype)
+
+    def per_rank(topk_idx, w_local):
+        p = plan(topk_idx, cfgs["xla"])
+        slots = {impl: prefetch(w_local, p, cfg) for impl, cfg in cfgs.items()}
+        return _stack((slots, p.experts_to_copy))
+
+    _poison_allocator(mesh, 4 * w_local.size // R)
+    slots, experts_to_copy = _per_rank(per_rank, mesh)(topk_idx, w_local)
+    np.testing.assert_array_equal(np.asarray(slots["cuda"]), np.asarray(slots["xla"]))
+    experts_to_copy = np.asarray(experts_to_copy)[0]  # the full table, the same on every rank
+    cuda_slots = np.asarray(slots["cuda"])
+    for r in range(R):
+        for b, e in enumerate(experts_to_copy[r]):
+            expected = w_local[e] if e >= 0 else np.zeros_like(w_local[0])
+            np.testing.assert_array_equal(cuda_slots[r, b], expected)
+
+
+@pytest.mark.parametrize("maxvio", (1.0, 20.0))
+def test_reduce_grad_bitwise_equal_to_xla_and_rank_slot_order(mesh, seed, maxvio):
+    R = mesh.devices.size
+    cfgs = _configs(R)
+    epn, B = cfgs["xla"].epn, cfgs["xla"].num_slots
+    rng = np.random.default_rng(seed)
+    topk_idx = _routing(seed, R, maxvio, cfgs["xla"])
+    # Magnitudes spread over 2^-20 .. 2^20: any other summation order changes the bits.
+    g_local = (rng.standard_normal((R * epn, 8, 12)) * np.exp2(rng.integers(-20, 20, (R * epn, 1, 1)))
+               ).astype(np.float32)
+    g_slots = (rng.standard_normal((R * B, 8, 12)) * np.exp2(rng.integers(-20, 20, (R * B, 1, 1)))
+               ).astype(np.float32)
+
+    def per_rank(topk_idx, g_local, g_slots):
+        p = plan(topk_idx, cfgs["xla"])
+        out = {impl: reduce_grad(g_local, g_slots, p, cfg) for impl, cfg in cfgs.items()}
+        return _stack((out, p.experts_to_copy))
+
+    out, experts_to_copy = _per_rank(per_rank, mesh)(topk_idx, g_local, g_slots)
+    np.testing.assert_array_equal(np.asarray(out["cuda"]), np.asarray(out["xla"]))
+    experts_to_copy = np.asarray(experts_to_copy)[0]
+    expected = g_local.reshape(R, epn, 8, 12).copy()
+    slots = g_slots.reshape(R, B, 8, 12)
+    for r in range(R):
+        for b in range(B):
+            e = experts_to_copy[r, b]
+            if e >= 0:
+                expected[e // epn, e % epn] += slots[r, b]  # fp32, (rank, slot) ascending
+    np.testing.assert_array_equal(np.asarray(out["cuda"]), expected)
+
+
+# ---- gradients, repeated calls, layers in a scan -----------------------------------------------
+
+
+def _layer(x, topk_w, topk_idx, cfg, plan_cfg):
+    """dispatch -> scale rows by their weights -> combine, as moe_ffn does around the experts."""
+    p = plan(topk_idx, plan_cfg)
+    recv_x, recv_w, _ = dispatch(x, topk_w, p, cfg)
+    y = (recv_x.astype(jnp.float32) * recv_w[:, None]).astype(x.dtype)
+    return combine(y, p, cfg)
+
+
+def test_gradients_through_dispatch_and_combine_bitwise_equal_to_xla(mesh, seed):
+    R = mesh.devices.size
+    cfgs = _configs(R)
+    rng = np.random.default_rng(seed)
+    topk_idx = _routing(seed, R, 10.0, cfgs["xla"])
+    x = rng.standard_normal((R * S, cfgs["xla"].hidden)).astype(jnp.bfloat16)
+    topk_w = rng.random((R * S, K), np.float32)
+    d_out = rng.standard_normal((R * S, cfgs["xla"].hidden)).astype(np.float32)
+
+    def per_rank(topk_idx, x, topk_w, d_out):
+        def loss(x, topk_w, cfg):
+            out = _layer(x, topk_w, topk_idx, cfg, cfgs["xla"])
+            return jnp.sum(out.astype(jnp.float32) * d_out)
+
+        grads = {impl: jax.grad(loss, argnums=(0, 1))(x, topk_w, cfg)
+                 for impl, cfg in cfgs.items()}
+        return _stack(grads)
+
+    grads = _per_rank(per_rank, mesh)(topk_idx, x, topk_w, d_out)
+    for xla_grad, cuda_grad in zip(grads["xla"], grads["cuda"]):
+        np.testing.assert_array_equal(np.asarray(cuda_grad), np.asarray(xla_grad))
+    assert np.asarray(grads["cuda"][0], np.float32).any()
+
+
+@functools.cache
+def _hashing_step(cfg: moonep_jax.EPConfig, plan_cfg: moonep_jax.EPConfig, mesh):
+    """One call: a fresh routing from (key, step), a layer, and the output folded into a hash."""
+
+    def per_rank(step, x, digest):
+        key = jax.random.fold_in(jax.random.key(7), step[0])
+        key = jax.random.fold_in(key, lax.axis_index("ep"))
+        topk_idx = jax.random.randint(key, (S, K), -1, E, jnp.int32)  # -1: dropped
+        topk_w = jax.random.uniform(jax.random.fold_in(key, 1), (S, K), jnp.float32)
+        out = _layer(x, topk_w, topk_idx, cfg, plan_cfg)
+        bits = lax.bitcast_convert_type(out, jnp.uint16).astype(jnp.uint32)
+        weights = jnp.arange(1, bits.size + 1, dtype=jnp.uint32).reshape(bits.shape)
+        return digest * jnp.uint32(1000003) + jnp.sum(bits * weights, dtype=jnp.uint32)
+
+    return _per_rank(per_rank, mesh)
+
+
+def _hash_of_calls(cfg, plan_cfg, mesh, x, num_calls: int) -> np.ndarray:
+    R = mesh.devices.size
+    step_fn = _hashing_step(cfg, plan_cfg, mesh)
+    digest = jnp.zeros(R, jnp.uint32)
+    for step in range(num_calls):  # back to back: nothing waits for the device in between
+        digest = step_fn(jnp.full(R, step, jnp.int32), x, digest)
+    return np.asarray(digest)
+
+
+def test_thousand_back_to_back_calls_hash_identically_across_runs(mesh, seed):
+    R = mesh.devices.size
+    cfgs = _configs(R)
+    x = np.random.default_rng(seed).standard_normal((R * S, cfgs["xla"].hidden)).astype(
+        jnp.bfloat16)
+    first = _hash_of_calls(cfgs["cuda"], cfgs["xla"], mesh, x, 1000)
+    second = _hash_of_calls(cfgs["cuda"], cfgs["xla"], mesh, x, 1000)
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_array_equal(first, _hash_of_calls(cfgs["xla"], cfgs["xla"], mesh, x, 1000))
+
+
+def test_layers_in_scan_forward_and_gradients_bitwise_equal_to_xla(mesh, seed):
+    R = mesh.devices.size
+    num_layers = 4
+    cfgs = _configs(R)
+    rng = np.random.default_rng(seed)
+    topk_idx = np.stack([_routing(seed + layer, R, (0.2, 1.0, 10.0, 20.0)[layer], cfgs["xla"])
+                         for layer in range(num_layers)], axis=1)  # [R * S, L, K]
+    topk_w = rng.random((R * S, num_layers, K), np.float32)
+    x = rng.standard_normal((R * S, cfgs["xla"].hidden)).astype(jnp.bfloat16)
+
+    def per_rank(topk_idx, topk_w, x):
+        def model(x, topk_w, cfg):
+            def layer(x, inputs):
+                idx, w = inputs
+                return _layer(x, w, idx, cfg, cfgs["xla"]), None
+
+            out, _ = lax.scan(layer, x, (jnp.swapaxes(topk_idx, 0, 1), jnp.swapaxes(topk_w, 0, 1)))
+            return jnp.sum(out.astype(jnp.float32) ** 2), out
+
+        results = {}
+        for impl, cfg in cfgs.items():
+            (_, out), grads = jax.value_and_grad(model, argnums=(0, 1), has_aux=True)(
+                x, topk_w, cfg)
+            results[impl] = (out, grads)
+        return _stack(results)
+
+    results = _per_rank(per_rank, mesh)(topk_idx, topk_w, x)
+    leaves_xla = jax.tree.leaves(results["xla"])
+    leaves_cuda = jax.tree.leaves(results["cuda"])
+    for xla_leaf, cuda_leaf in zip(leaves_xla, leaves_cuda):
+        np.testing.assert_array_equal(np.asarray(cuda_leaf), np.asarray(xla_leaf))
