@@ -1,0 +1,265 @@
+"""The CUDA planner against the xla reference, bit for bit, and the transport's mesh plumbing.
+
+GPU tests (marked `gpu`) run the public `moonep_jax.plan` with implementation "cuda" and "xla" on
+the same routings and require `np.array_equal` on every Plan field, on R = 1, 2 and all local GPUs,
+over maxvio 0 / 0.2 / 1 / 10 / 20 with dropped (-1) entries and duplicate ids. Back-to-back calls
+run in subprocesses, once with XLA's default command buffers and once with them disabled. The CPU
+tests cover how the transport finds EP groups and reports a mesh it cannot see.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import moonep_jax
+from moonep_jax import routing
+from moonep_jax._cuda import transport
+
+plan_module = importlib.import_module("moonep_jax.plan")
+
+MAXVIOS = (0.0, 0.2, 1.0, 10.0, 20.0)
+# (S, K, E, B, tp): training-style B = epn; inference overflow with B < epn and padding.
+GEOMETRIES = ((256, 8, 32, None, 1), (96, 6, 48, 2, 4))
+
+
+def _gpu_count() -> int:
+    return len(jax.devices()) if jax.default_backend() == "gpu" else 0
+
+
+def _rank_counts() -> list[int]:
+    return sorted({r for r in (1, 2, _gpu_count()) if 1 <= r <= max(_gpu_count(), 1)})
+
+
+def _mesh(R: int) -> jax.sharding.Mesh:
+    if _gpu_count() < R:
+        pytest.skip(f"needs {R} GPUs, have {_gpu_count()}")
+    return jax.sharding.Mesh(np.array(jax.devices()[:R]), ("ep",))
+
+
+def _config(R, S, K, E, B, tp, implementation, axis_name="ep"):
+    return moonep_jax.EPConfig(num_experts=E, top_k=K, tokens_per_rank=S, hidden=8, ffn_hidden=8,
+                               num_ranks=R, prefetch_slots=B, token_padding=tp,
+                               axis_name=axis_name, implementation=implementation)
+
+
+def _plan_both(mesh, topk_idx, cfg_cuda, cfg_xla):
+    """Both plans of the global `topk_idx [R, S, K]`, as numpy Plans with a leading rank axis."""
+
+    def per_rank(idx):
+        plans = (plan_module.plan(idx, cfg_cuda), plan_module.plan(idx, cfg_xla))
+        return jax.tree.map(lambda a: a[None], plans)
+
+    R, S, K = topk_idx.shape
+    f = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    sharded = jax.device_put(np.asarray(topk_idx, np.int32).reshape(R * S, K),
+                             NamedSharding(mesh, P("ep")))
+    return jax.tree.map(np.asarray, f(sharded))
+
+
+def _routing(seed, R, S, K, E, maxvio):
+    """Global `[R, S, K]` routing near `maxvio`, with 5% dropped entries and 5% duplicate tokens."""
+    key = jax.random.key(seed)
+    if maxvio == 0.0:  # exactly balanced counts: a permuted round-robin over all R*S*K entries
+        perm = np.random.default_rng(seed).permutation(E)
+        topk = perm[np.arange(R * S * K) % E].reshape(R, S, K)
+    else:
+        topk, _, _ = routing.lognormal_for_maxvio(key, R, S, K, E, maxvio)
+    topk = routing.with_duplicates(jax.random.fold_in(key, 1), topk, 0.05)
+    topk = routing.with_dropped(jax.random.fold_in(key, 2), topk, 0.05)
+    return np.asarray(topk, np.int32)
+
+
+def _assert_plans_equal(cuda, xla):
+    for field in ("dst", "cu_seqlens", "zero_fill", "experts_to_copy", "recv_src", "recv_primary"):
+        got, want = getattr(cuda, field), getattr(xla, field)
+        assert got.shape == want.shape, field
+        mismatch = np.argwhere(got != want)
+        assert np.array_equal(got, want), (
+            f"{field}: {len(mismatch)} mismatches, first at {mismatch[:3].tolist()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", _rank_counts())
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("maxvio", MAXVIOS)
+def test_plan_bitwise_equal_to_xla(R, geometry, maxvio, seed):
+    S, K, E, B, tp = geometry
+    if E % R:
+        pytest.skip(f"E={E} is not divisible by R={R}")
+    mesh = _mesh(R)
+    transport.bootstrap(mesh, "ep")
+    topk = _routing(seed, R, S, K, E, maxvio)
+    cuda, xla = _plan_both(mesh, topk, _config(R, S, K, E, B, tp, "cuda"),
+                           _config(R, S, K, E, B, tp, "xla"))
+    _assert_plans_equal(cuda, xla)
+    assert (cuda.dst == moonep_jax.DROPPED).sum() == (topk == -1).sum()
+
+
+@pytest.mark.gpu
+def test_plan_record_shape_bitwise_equal_to_xla(seed):
+    """The shape of record (S=8192, K=8, E=384) on all local GPUs, at the worst skew."""
+    R = _gpu_count()
+    if R == 0 or 384 % R:
+        pytest.skip("needs 1, 2, 3, 4, 6 or 8 GPUs")
+    mesh = _mesh(R)
+    transport.bootstrap(mesh, "ep")
+    topk = _routing(seed, R, 8192, 8, 384, 20.0)
+    cuda, xla = _plan_both(mesh, topk, _config(R, 8192, 8, 384, None, 1, "cuda"),
+                           _config(R, 8192, 8, 384, None, 1, "xla"))
+    _assert_plans_equal(cuda, xla)
+
+
+@pytest.mark.gpu
+def test_plan_found_through_set_mesh_without_bootstrap_call(seed):
+    """Under `jax.set_mesh` the op finds the concrete mesh itself (and bootstraps it)."""
+    R = _gpu_count()
+    mesh = _mesh(R)
+    S, K, E = 64, 4, 8 * R
+    topk = _routing(seed, R, S, K, E, 1.0)
+    with jax.set_mesh(mesh):
+        cuda, xla = _plan_both(mesh, topk, _config(R, S, K, E, None, 2, "cuda"),
+                               _config(R, S, K, E, None, 2, "xla"))
+    _assert_plans_equal(cuda, xla)
+
+
+# ---- back-to-back calls, with and without XLA command buffers (subprocesses: flags are global) ---
+
+_BACK_TO_BACK = textwrap.dedent("""
+    import hashlib, importlib, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import moonep_jax
+    from moonep_jax._cuda import transport
+    plan_module = importlib.import_module("moonep_jax.plan")
+
+    R, S, K, E, CALLS, seed = len(jax.devices()), 64, 4, 8 * len(jax.devices()), 1000, int(sys.argv[1])
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
+    transport.bootstrap(mesh, "ep")
+    cfg = dict(num_experts=E, top_k=K, tokens_per_rank=S, hidden=8, ffn_hidden=8, num_ranks=R,
+               token_padding=2)
+    cfgs = [moonep_jax.EPConfig(**cfg, implementation=i) for i in ("cuda", "xla")]
+    fs = [jax.jit(jax.shard_map(lambda idx, c=c: jax.tree.map(lambda a: a[None],
+                                                              plan_module.plan(idx, c)),
+                                mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))) for c in cfgs]
+    rng = np.random.default_rng(seed)
+    digests = [hashlib.sha256(), hashlib.sha256()]
+    sharding = NamedSharding(mesh, P("ep"))
+    outs = [[], []]
+    for call in range(CALLS):
+        weights = np.exp(rng.normal(0.0, 3.0 * rng.random(), size=E))
+        topk = np.stack([rng.choice(E, size=K, replace=False, p=weights / weights.sum())
+                         for _ in range(R * S)]).astype(np.int32)
+        topk[rng.random(topk.shape) < 0.05] = -1
+        x = jax.device_put(topk, sharding)
+        for j, f in enumerate(fs):
+            outs[j].append(f(x))   # enqueue back to back; read after the loop
+    for j in range(2):
+        for plan in outs[j]:
+            for leaf in jax.tree.leaves(plan):
+                digests[j].update(np.asarray(leaf).tobytes())
+    cuda, xla = (d.hexdigest() for d in digests)
+    print("digests", cuda, xla)
+    sys.exit(0 if cuda == xla else 3)
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("command_buffers", [True, False], ids=["command_buffers", "no_command_buffers"])
+def test_plan_back_to_back_calls_hash_equal_to_xla(command_buffers, seed):
+    if _gpu_count() == 0:
+        pytest.skip("needs a GPU")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_gpu_enable_command_buffer")]
+    if not command_buffers:
+        flags.append("--xla_gpu_enable_command_buffer=")
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags))
+    proc = subprocess.run([sys.executable, "-c", _BACK_TO_BACK, str(seed)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+_BAD_ID = textwrap.dedent("""
+    import importlib, sys
+    import jax, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import moonep_jax
+    from moonep_jax._cuda import transport
+    plan_module = importlib.import_module("moonep_jax.plan")
+    R, S, K, E = len(jax.devices()), 16, 2, 4 * len(jax.devices())
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
+    transport.bootstrap(mesh, "ep")
+    cfg = moonep_jax.EPConfig(num_experts=E, top_k=K, tokens_per_rank=S, hidden=8, ffn_hidden=8,
+                              num_ranks=R, implementation="cuda")
+    topk = np.zeros((R * S, K), np.int32)
+    topk[3, 1] = E + 5
+    f = jax.jit(jax.shard_map(lambda i: plan_module.plan(i, cfg).dst, mesh=mesh,
+                              in_specs=P("ep"), out_specs=P("ep")))
+    np.asarray(f(jax.device_put(topk, NamedSharding(mesh, P("ep")))))
+    print("no error reported")
+""")
+
+
+@pytest.mark.gpu
+def test_plan_out_of_range_id_traps_every_rank_without_hanging():
+    if _gpu_count() == 0:
+        pytest.skip("needs a GPU")
+    proc = subprocess.run([sys.executable, "-c", _BAD_ID], capture_output=True, text=True,
+                          timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert "no error reported" not in output
+    assert "expert ids outside [-1," in output or "launch failure" in output.lower(), output[-3000:]
+
+
+# ---- CPU: how the transport sees meshes ---------------------------------------------------------
+
+
+def test_ep_groups_are_rows_of_the_other_axes_in_rank_order(mesh_factory):
+    mesh = mesh_factory((2, 4), ("data", "ep"))
+    groups = transport.ep_groups(mesh, "ep")
+    assert [[d.id for d in g] for g in groups] == [[d.id for d in row] for row in mesh.devices]
+    transposed = mesh_factory((4, 2), ("ep", "data"))
+    groups = transport.ep_groups(transposed, "ep")
+    assert [[d.id for d in g] for g in groups] == [[d.id for d in col]
+                                                   for col in transposed.devices.T]
+
+
+def test_bootstrap_rejects_missing_axis_and_cpu_devices(mesh_factory):
+    mesh = mesh_factory((2, 4), ("data", "ep"))
+    with pytest.raises(ValueError, match="has no axis `experts`"):
+        transport.ep_groups(mesh, "experts")
+    with pytest.raises(TypeError, match="concrete jax.sharding.Mesh"):
+        transport.ep_groups(jax.sharding.get_abstract_mesh(), "ep")
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="needs GPU devices"):
+            transport.ordinals_table(mesh, "ep")
+
+
+def test_mesh_ordinals_without_bootstrap_names_bootstrap(mesh_factory):
+    axis = "ep_never_bootstrapped"  # no other test registers a mesh with this axis
+    mesh = mesh_factory(4, (axis,))
+    cfg = _config(4, 8, 2, 8, None, 1, "xla", axis_name=axis)
+
+    def per_rank(x):
+        transport.mesh_ordinals(cfg)
+        return x
+
+    f = jax.shard_map(per_rank, mesh=mesh, in_specs=P(axis), out_specs=P(axis))
+    x = jax.device_put(jnp.zeros((4, 2)), NamedSharding(mesh, P(axis)))
+    with pytest.raises(ValueError, match=rf"moonep_jax\.bootstrap\(mesh, axis_name='{axis}'\)"):
+        jax.jit(f)(x)
+
+
+def test_mesh_ordinals_outside_shard_map_names_the_axis():
+    with pytest.raises(ValueError, match="inside `jax.shard_map` over a mesh with the EP axis `ep`"):
+        transport.mesh_ordinals(_config(1, 8, 2, 8, None, 1, "xla"))
