@@ -156,9 +156,9 @@ _BACK_TO_BACK = textwrap.dedent("""
     sharding = NamedSharding(mesh, P("ep"))
     outs = [[], []]
     for call in range(CALLS):
-        weights = np.exp(rng.normal(0.0, 3.0 * rng.random(), size=E))
-        topk = np.stack([rng.choice(E, size=K, replace=False, p=weights / weights.sum())
-                         for _ in range(R * S)]).astype(np.int32)
+        # K distinct experts per token from a fresh log-normal popularity (Gumbel top-k).
+        scores = rng.normal(0.0, 3.0 * rng.random(), size=E) + rng.gumbel(size=(R * S, E))
+        topk = np.argsort(-scores, axis=1)[:, :K].astype(np.int32)
         topk[rng.random(topk.shape) < 0.05] = -1
         x = jax.device_put(topk, sharding)
         for j, f in enumerate(fs):
@@ -218,7 +218,10 @@ def test_plan_out_of_range_id_traps_every_rank_without_hanging():
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-3000:]
     assert "no error reported" not in output
-    assert "expert ids outside [-1," in output or "launch failure" in output.lower(), output[-3000:]
+    # The kernel's own message, or CUDA's report of the trap when the printf buffer was lost.
+    reported = ("expert ids outside [-1,", "launch failure", "launch_failed", "illegal instruction",
+                "illegal_instruction")
+    assert any(r in output.lower() for r in reported), output[-3000:]
 
 
 # ---- CPU: how the transport sees meshes ---------------------------------------------------------
