@@ -32,6 +32,10 @@ fi
 .venv/bin/python -m pip install -q -c tools/constraints.txt \
   "scikit-build-core>=0.10" "pybind11>=2.13" cmake ninja "jax>=0.11" "nvidia-cutlass-dsl[cu13]"
 .venv/bin/python -m pip install -q -c tools/constraints.txt --no-build-isolation -e ".[dev]"
+# cuobjdump + nvdisasm (no GPU needed) let the tests check the SASS of the CuTe DSL GEMM.
+if command -v nvcc >/dev/null 2>&1; then
+  .venv/bin/python -m pip install -q nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
+fi
 .venv/bin/python - <<'PY'
 from moonep_jax import _ffi
 print("moonep_jax installed;", "CUDA extension built" if _ffi.available()
