@@ -161,8 +161,7 @@ def _decode(value, nvs):
 
 
 def assert_plan_invariants(plans, topk_idx, cfg):
-    R, E, epn, B, tp, nvs = (cfg.num_ranks, cfg.num_experts, cfg.epn, cfg.num_slots,
-                             cfg.token_padding, cfg.nvs)
+    R, E, nvs = cfg.num_ranks, cfg.num_experts, cfg.nvs
     K, N = cfg.top_k, cfg.num_entries
     flat = topk_idx.reshape(R, N)
     dst = plans["dst"]
@@ -217,9 +216,7 @@ def assert_plan_invariants(plans, topk_idx, cfg):
 
 def _assert_destination_layout(d, plans, owner, flat, cfg):
     """Groups of destination d: bounds, padding, contents, order, donors and slots."""
-    R, E, epn, B, tp, nvs = (cfg.num_ranks, cfg.num_experts, cfg.epn, cfg.num_slots,
-                             cfg.token_padding, cfg.nvs)
-    N = cfg.num_entries
+    E, epn, tp, nvs = cfg.num_experts, cfg.epn, cfg.token_padding, cfg.nvs
     cu = plans["cu_seqlens"][d]
     etc = plans["experts_to_copy"][d][d]
     ends = cu.astype(np.int64)
@@ -254,7 +251,6 @@ def _assert_destination_layout(d, plans, owner, flat, cfg):
             assert count > 0, "a used slot must receive entries"
     assert len(remote_homes) <= 1, f"rank {d} receives from homes {remote_homes}"
     assert all((d, row) not in owner for row in range(int(cu[-1]), nvs))
-    del R, N
 
 
 def assert_slots_ranked(plans, owner, flat, cfg):
@@ -347,21 +343,21 @@ def test_slot_ties_go_to_the_larger_id(mesh_factory, seed):
 
 
 def test_single_hot_expert_is_split_over_every_rank(mesh_factory, seed):
-    shape = Shape(R=8, S=16, K=1, E=16, tp=2)
+    shape = SHAPES[7]  # R=8, S=16, K=4, E=32, tp=2
     cfg = shape.config()
-    hot = np.random.default_rng(seed).integers(16)
-    topk_idx = np.full((8, 16, 1), hot, np.int32)
-    plans = run_planner(topk_idx, cfg, mesh_factory(8))
+    hot = np.random.default_rng(seed).integers(shape.E)
+    topk_idx = np.full((shape.R, shape.S, shape.K), hot, np.int32)
+    plans = run_planner(topk_idx, cfg, mesh_factory(shape.R))
     home = hot // cfg.epn
-    for d in range(8):
-        assert plans["cu_seqlens"][d][-1] == 16  # 16 entries per rank, already multiples of tp
-        expected_slots = [-1, -1] if d == home else [hot, -1]
+    for d in range(shape.R):
+        assert plans["cu_seqlens"][d][-1] == 64  # 64 entries per rank, already multiples of tp
+        expected_slots = [-1] * 4 if d == home else [hot, -1, -1, -1]
         assert plans["experts_to_copy"][0][d].tolist() == expected_slots
     assert_plan_invariants(plans, topk_idx, cfg)
 
 
 def test_all_local_balanced_routing_moves_nothing(mesh_factory, seed):
-    shape = Shape(R=4, S=12, K=3, E=16, tp=2)
+    shape = SHAPES[4]  # R=4, S=12, K=5 > epn=4, E=16, B=2, tp=3
     cfg = shape.config()
     topk_idx = make_routing(shape, "all_local", np.random.default_rng(seed))
     plans = run_planner(topk_idx, cfg, mesh_factory(4))
@@ -372,20 +368,21 @@ def test_all_local_balanced_routing_moves_nothing(mesh_factory, seed):
 
 
 def test_repeated_ids_within_a_token(mesh_factory, seed):
-    """K = 8 copies of one id per token: one primary, seven duplicates per destination."""
-    shape = Shape(R=2, S=4, K=8, E=4)
+    """K = 4 copies of one id per token."""
+    shape = SHAPES[2]  # R=2, S=16, K=4, E=8, tp=4
     cfg = shape.config()
-    topk_idx = np.repeat(np.random.default_rng(seed).integers(0, 4, (2, 4, 1)), 8, axis=2)
-    plans = run_planner(topk_idx.astype(np.int32), cfg, mesh_factory(2))
-    dst = plans["dst"].reshape(2, 4, 8)
+    rng = np.random.default_rng(seed)
+    topk_idx = np.repeat(rng.integers(0, 8, (2, 16, 1)), 4, axis=2).astype(np.int32)
+    plans = run_planner(topk_idx, cfg, mesh_factory(2))
+    dst = plans["dst"].reshape(2, 16, 4)
     assert (dst[:, :, 0] >= 0).all()
     assert_plan_invariants(plans, topk_idx, cfg)
     assert_equals_oracle(plans, topk_idx, cfg)
 
 
 def test_every_entry_dropped(mesh_factory):
-    cfg = Shape(R=4, S=6, K=2, E=8, tp=2).config()
-    topk_idx = np.full((4, 6, 2), -1, np.int32)
+    cfg = SHAPES[4].config()  # R=4, S=12, K=5, E=16, B=2, tp=3
+    topk_idx = np.full((4, 12, 5), -1, np.int32)
     plans = run_planner(topk_idx, cfg, mesh_factory(4))
     assert (plans["dst"] == DROPPED).all()
     assert (plans["cu_seqlens"] == 0).all() and (plans["zero_fill"] == 0).all()
@@ -396,10 +393,11 @@ def test_every_entry_dropped(mesh_factory):
 def test_dropped_entries_shrink_caps(mesh_factory, seed):
     """T = 13 valid entries over R = 4: caps (4, 3, 3, 3)."""
     rng = np.random.default_rng(seed)
-    cfg = Shape(R=4, S=4, K=2, E=8).config()
-    topk_idx = make_routing(Shape(R=4, S=4, K=2, E=8), "with_replacement", rng)
+    shape = SHAPES[3]  # R=4, S=7, K=2, E=8
+    cfg = shape.config()
+    topk_idx = make_routing(shape, "with_replacement", rng)
     flat = topk_idx.reshape(-1)
-    flat[rng.permutation(flat.size)[:32 - 13]] = -1
+    flat[rng.permutation(flat.size)[:flat.size - 13]] = -1
     plans = run_planner(topk_idx, cfg, mesh_factory(4))
     assert plans["cu_seqlens"][:, -1].tolist() == [4, 3, 3, 3]
     assert_plan_invariants(plans, topk_idx, cfg)
@@ -407,12 +405,13 @@ def test_dropped_entries_shrink_caps(mesh_factory, seed):
 
 
 def test_out_of_range_ids_are_dropped(mesh_factory, seed):
-    cfg = Shape(R=2, S=5, K=2, E=4).config()
-    topk_idx = make_routing(Shape(R=2, S=5, K=2, E=4), "uniform", np.random.default_rng(seed))
+    shape = SHAPES[1]  # R=2, S=8, K=3, E=6, B=1
+    cfg = shape.config()
+    topk_idx = make_routing(shape, "uniform", np.random.default_rng(seed))
     bad = topk_idx.copy()
-    bad[0, 1, 0], bad[1, 3, 1] = 4, -7
+    bad[0, 1, 0], bad[1, 3, 1] = 6, -7
     plans = run_planner(bad, cfg, mesh_factory(2))
-    assert plans["dst"][0, 2] == DROPPED and plans["dst"][1, 7] == DROPPED
+    assert plans["dst"][0, 3] == DROPPED and plans["dst"][1, 10] == DROPPED
     dropped = topk_idx.copy()
     dropped[0, 1, 0], dropped[1, 3, 1] = -1, -1
     for name, value in run_planner(dropped, cfg, mesh_factory(2)).items():
@@ -420,7 +419,7 @@ def test_out_of_range_ids_are_dropped(mesh_factory, seed):
 
 
 def test_single_rank(mesh_factory, seed):
-    shape = Shape(R=1, S=9, K=3, E=5, tp=4)
+    shape = SHAPES[0]  # R=1, S=5, K=2, E=4
     cfg = shape.config()
     topk_idx = make_routing(shape, "lognormal", np.random.default_rng(seed), sigma=2.0)
     plans = run_planner(topk_idx, cfg, mesh_factory(1))
@@ -431,7 +430,7 @@ def test_single_rank(mesh_factory, seed):
 
 def test_plan_on_a_data_by_ep_mesh(mesh_factory, seed):
     """Each data-parallel replica plans its own EP group."""
-    shape = Shape(R=4, S=6, K=2, E=8)
+    shape = SHAPES[3]  # R=4, S=7, K=2, E=8
     cfg = shape.config()
     mesh = mesh_factory((2, 4), ("data", "ep"))
     rng = np.random.default_rng(seed)
@@ -443,7 +442,7 @@ def test_plan_on_a_data_by_ep_mesh(mesh_factory, seed):
     replica_major = P(("data", "ep"))
     run = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=replica_major,
                                 out_specs=replica_major))
-    stacked = run(topk_idx.reshape(2 * 4 * 6, 2))
+    stacked = run(topk_idx.reshape(2 * 4 * 7, 2))
     for replica in range(2):
         plans = {name: np.asarray(getattr(stacked, name))[4 * replica:4 * replica + 4]
                  for name in PLAN_FIELDS}
