@@ -21,6 +21,9 @@ build() {
   cmake --build build/gpu
   rm -rf .gpu && mkdir -p .gpu
   cp build/gpu/_moonep_jax_cuda*.so .gpu/
+  # The device machine gets no git history: record which commit (and whether the tree was dirty)
+  # the binary and the sources that travel with it come from.
+  echo "$(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!benchmarks/results' || echo -dirty)" > .gpu/COMMIT
   echo "built $(ls .gpu); pass carry [\".gpu\"] and run: bash tools/gpu.sh run"
 }
 
@@ -29,7 +32,7 @@ run() {
   export PYTHONPATH="$PWD/.gpu:$PWD${PYTHONPATH:+:$PYTHONPATH}"
   export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
   { nvidia-smi; python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())";
-    git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1
+    echo "commit $(cat .gpu/COMMIT 2>/dev/null || echo unknown)"; } > "$OUT/env.txt" 2>&1
   cat "$OUT/env.txt"
   local status=0
   timeout "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -v -rs --junitxml="$OUT/junit.xml" tests \
