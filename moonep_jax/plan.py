@@ -323,8 +323,9 @@ def _destinations(expert, valid, rank, tokens_per_expert, alloc, expert_off, cfg
 def _rank_within_expert(expert, valid, local_counts, cfg: EPConfig) -> jax.Array:
     """`[N] int32`: how many earlier local entries (smaller `i`) route to the same expert.
 
-    A sort by (expert, i) groups the entries by expert in ascending `i` (a stable counting sort);
-    an entry's position minus its expert's first position is its rank within the expert.
+    Sorting by the key pair (expert, i) groups the entries by expert in ascending `i` (the order
+    the GPU's stable counting sort produces); an entry's sorted position minus its expert's first
+    position is its rank within the expert. O(N log N), no [N, E] mask.
     """
     n = cfg.num_entries
     key = jnp.where(valid, expert, cfg.num_experts)
