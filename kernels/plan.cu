@@ -22,6 +22,9 @@ constexpr int kCountThreads = 256;
 constexpr int kBalanceThreads = 1024;
 constexpr int kRouteThreads = 256;
 constexpr int kRouteWindow = 2048;  // entries ranked per round of the routing kernel
+constexpr int kChunkLoadBatch = 16;  // independent loads in flight per thread in phase A
+constexpr int kLayoutPerLane = 8;    // consecutive groups per lane in the layout scan
+constexpr int kMaxCandidates = kMaxExperts + kMaxRanks * kMaxRanks;  // see plan_balance_kernel
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int32_t kDropped = INT32_MIN;  // config.DROPPED
 
@@ -36,14 +39,13 @@ constexpr int kBadIdExample = kMaxExperts + 1;
 static_assert(kCountsExtra >= 2, "the counts row carries the bad-id count and an example id");
 
 // Planner scratch in this rank's PeerArea (ints). Strides use the static maxima.
-constexpr int kChunkCountsOff = 0;                                         // [chunks][E]
-constexpr int kChunkBadOff = kChunkCountsOff + kMaxPlanChunks * kMaxExperts;  // [chunks][2]
+constexpr int kChunkCountsOff = 0;                                          // [chunks][E]
+constexpr int kChunkBadOff = kChunkCountsOff + kPlanChunkCountInts;            // [chunks][2]
 constexpr int kRankBaseOff = kChunkBadOff + 2 * kMaxPlanChunks;              // [E]
 constexpr int kAllocOff = kRankBaseOff + kMaxExperts;                        // [E][R]
 constexpr int kAllocCumOff = kAllocOff + kMaxExperts * kMaxRanks;            // [E][R]
 constexpr int kExpertOffOff = kAllocCumOff + kMaxExperts * kMaxRanks;        // [R][E]
-constexpr int kCandidatesOff = kExpertOffOff + kMaxRanks * kMaxExperts;      // [R][E]
-constexpr int kScratchEnd = kCandidatesOff + kMaxRanks * kMaxExperts;
+constexpr int kScratchEnd = kExpertOffOff + kMaxRanks * kMaxExperts;
 static_assert(kScratchEnd <= kPlanScratchInts, "planner scratch must fit PeerArea::plan_scratch");
 
 struct Scratch {
@@ -53,13 +55,12 @@ struct Scratch {
   int32_t* alloc;         // [E][R] entries of expert e computed on rank d
   int32_t* alloc_cum;     // [E][R] inclusive prefix of alloc over d
   int32_t* expert_off;    // [R][E] first row of expert e's group on rank d (stale if empty)
-  int32_t* candidates;    // [R][E] remote experts of destination d (unordered)
 };
 
 __device__ __forceinline__ Scratch scratch_of(const GroupView& g) {
   int32_t* s = own_area(g)->plan_scratch;
-  return Scratch{s + kChunkCountsOff, s + kChunkBadOff, s + kRankBaseOff, s + kAllocOff,
-                 s + kAllocCumOff,    s + kExpertOffOff, s + kCandidatesOff};
+  return Scratch{s + kChunkCountsOff, s + kChunkBadOff, s + kRankBaseOff,
+                 s + kAllocOff,       s + kAllocCumOff, s + kExpertOffOff};
 }
 
 __device__ __forceinline__ int warp_inclusive_sum(int v) {
@@ -102,7 +103,7 @@ __global__ void __launch_bounds__(kCountThreads)
     }
   }
   __syncthreads();
-  for (int e = tid; e < E; e += blockDim.x) s.chunk_counts[chunk * kMaxExperts + e] = hist[e];
+  for (int e = tid; e < E; e += blockDim.x) s.chunk_counts[chunk * E + e] = hist[e];
   if (tid == 0) {
     s.chunk_bad[2 * chunk] = bad_count;
     s.chunk_bad[2 * chunk + 1] = bad_example;
@@ -187,8 +188,9 @@ __device__ void split_home(int h, int num_ranks, int epn, int* remaining, const 
     if (lane == 0) {
       const int e = first + le;
       remaining[e] -= take;
-      alloc[e * num_ranks + d] += take;
-      alloc[e * num_ranks + h] -= take;
+      // Reductions without a return value do not wait for memory; the loop never stalls on them.
+      atomicAdd(&alloc[e * num_ranks + d], take);
+      atomicSub(&alloc[e * num_ranks + h], take);
     }
     if (lane == d) quota -= take;
     __syncwarp();
@@ -196,7 +198,8 @@ __device__ void split_home(int h, int num_ranks, int epn, int* remaining, const 
 }
 
 // Phase C for destination d (one warp): group g < E is global expert g (empty when slotted),
-// group E + b is slot b; groups padded to tp and laid out back to back.
+// group E + b is slot b; groups padded to tp and laid out back to back. Each lane takes
+// kLayoutPerLane consecutive groups per tile, so a tile costs one or two memory latencies.
 __device__ void layout_destination(const PlanParams& p, int d, const uint32_t* slotted,
                                    const Scratch& s) {
   const int lane = threadIdx.x & 31;
@@ -204,24 +207,39 @@ __device__ void layout_destination(const PlanParams& p, int d, const uint32_t* s
   const int G = E + B;
   const bool mine = d == p.group.rank;
   int carry = 0;
-  for (int tile = 0; tile < G; tile += 32) {
-    const int g = tile + lane;
-    int expert = -1, count = 0;
-    if (g < E) {
-      expert = g;
-      count = (slotted[g >> 5] >> (g & 31)) & 1u ? 0 : s.alloc[g * R + d];
-    } else if (g < G) {
-      expert = p.experts_to_copy[d * B + (g - E)];
-      count = expert >= 0 ? s.alloc[expert * R + d] : 0;
+  for (int tile = 0; tile < G; tile += 32 * kLayoutPerLane) {
+    const int first = tile + lane * kLayoutPerLane;
+    int expert[kLayoutPerLane], count[kLayoutPerLane];
+#pragma unroll
+    for (int k = 0; k < kLayoutPerLane; ++k) {
+      const int g = first + k;
+      expert[k] = -1;
+      count[k] = 0;
+      if (g < E) {
+        expert[k] = g;
+        count[k] = (slotted[g >> 5] >> (g & 31)) & 1u ? 0 : s.alloc[g * R + d];
+      } else if (g < G) {
+        expert[k] = p.experts_to_copy[d * B + (g - E)];
+      }
     }
-    const int padded = (count + tp - 1) / tp * tp;
-    const int inclusive = warp_inclusive_sum(padded);
-    const int start = carry + inclusive - padded;
-    if (count > 0) s.expert_off[d * kMaxExperts + expert] = start;
-    if (mine && g < G) {
-      p.cu_seqlens[g] = start + padded;
-      p.zero_fill[2 * g] = padded > count ? start + count : 0;
-      p.zero_fill[2 * g + 1] = padded > count ? padded - count : 0;
+    int lane_rows = 0;
+#pragma unroll
+    for (int k = 0; k < kLayoutPerLane; ++k) {
+      if (first + k >= E && expert[k] >= 0) count[k] = s.alloc[expert[k] * R + d];
+      lane_rows += (count[k] + tp - 1) / tp * tp;
+    }
+    const int inclusive = warp_inclusive_sum(lane_rows);
+    int start = carry + inclusive - lane_rows;
+#pragma unroll
+    for (int k = 0; k < kLayoutPerLane; ++k) {
+      const int g = first + k, padded = (count[k] + tp - 1) / tp * tp;
+      if (count[k] > 0) s.expert_off[d * kMaxExperts + expert[k]] = start;
+      if (mine && g < G) {
+        p.cu_seqlens[g] = start + padded;
+        p.zero_fill[2 * g] = padded > count[k] ? start + count[k] : 0;
+        p.zero_fill[2 * g + 1] = padded > count[k] ? padded - count[k] : 0;
+      }
+      start += padded;
     }
     carry += __shfl_sync(kFullMask, inclusive, 31);
   }
@@ -239,7 +257,9 @@ __global__ void __launch_bounds__(kBalanceThreads)
   __shared__ uint32_t slotted[kMaxRanks][kMaxExperts / 32];  // (d, e): e in a slot of d
   __shared__ int z[kMaxRanks][kMaxRanks];
   __shared__ int group_tokens[kMaxRanks];
-  __shared__ int num_candidates[kMaxRanks];
+  __shared__ int cand_key[kMaxCandidates];    // remote pair (e, d) as e * kMaxRanks + d
+  __shared__ int cand_count[kMaxCandidates];  // alloc[e, d] of the pair
+  __shared__ int num_candidates;
   __shared__ int total;
   __shared__ uint32_t epoch;
   const GroupView& g = p.group;
@@ -252,10 +272,17 @@ __global__ void __launch_bounds__(kBalanceThreads)
   if (tid == 0) epoch = next_epoch(g, kOpPlan);
   for (int e = tid; e < E; e += blockDim.x) {
     int run = 0;
-    for (int c = 0; c < num_chunks; ++c) {
-      const int h = s.chunk_counts[c * kMaxExperts + e];
-      s.chunk_counts[c * kMaxExperts + e] = run;
-      run += h;
+    for (int c0 = 0; c0 < num_chunks; c0 += kChunkLoadBatch) {
+      int h[kChunkLoadBatch];  // loads first, so that a batch costs one memory latency
+#pragma unroll
+      for (int k = 0; k < kChunkLoadBatch; ++k) {
+        h[k] = c0 + k < num_chunks ? s.chunk_counts[(c0 + k) * E + e] : 0;
+      }
+#pragma unroll
+      for (int k = 0; k < kChunkLoadBatch; ++k) {
+        if (c0 + k < num_chunks) s.chunk_counts[(c0 + k) * E + e] = run;
+        run += h[k];
+      }
     }
     count[e] = run;
   }
@@ -280,7 +307,8 @@ __global__ void __launch_bounds__(kBalanceThreads)
   if (tid == 0) trap_on_bad_expert_ids(g, epoch, E);
 
   // B1: global counts, this rank's base per expert, everything at home.
-  if (tid < R) group_tokens[tid] = 0, num_candidates[tid] = 0;
+  if (tid < R) group_tokens[tid] = 0;
+  if (tid == 0) num_candidates = 0;
   if (tid < kMaxRanks * kMaxRanks) z[tid / kMaxRanks][tid % kMaxRanks] = 0;
   if (tid == 0) total = 0;
   for (int i = tid; i < R * (kMaxExperts / 32); i += blockDim.x) {
@@ -307,35 +335,46 @@ __global__ void __launch_bounds__(kBalanceThreads)
   if (warp < R) split_home(warp, R, epn, remaining, z, s.alloc);  // B3
   __syncthreads();
 
-  // Prefix over destinations, and the remote experts of each destination.
+  // Prefix over destinations, and the remote (expert, destination) pairs, staged in shared
+  // memory. Each pair comes from a B3 move, and home h makes at most epn + R - 1 moves (each one
+  // empties an expert or a quota), so there are fewer than E + R*R <= kMaxCandidates pairs.
   for (int e = tid; e < E; e += blockDim.x) {
+    int a[kMaxRanks];
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) a[d] = d < R ? s.alloc[e * R + d] : 0;
     int run = 0;
-    for (int d = 0; d < R; ++d) {
-      const int a = s.alloc[e * R + d];
-      run += a;
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      if (d >= R) continue;
+      run += a[d];
       s.alloc_cum[e * R + d] = run;
-      if (d != e / epn && a > 0) {
-        s.candidates[d * kMaxExperts + atomicAdd(&num_candidates[d], 1)] = e;
+      if (d != e / epn && a[d] > 0) {
+        const int j = atomicAdd(&num_candidates, 1);
+        if (j >= kMaxCandidates) {  // impossible (see above); never write past the arrays
+          printf("moonep: rank %d: internal error: more than %d remote experts\n", g.rank,
+                 kMaxCandidates);
+          __trap();
+        }
+        cand_key[j] = e * kMaxRanks + d;
+        cand_count[j] = a[d];
       }
     }
   }
   __syncthreads();
-  // Slots: the top-B remote experts of d by (count desc, id desc). The candidate list is
-  // unordered, so each candidate's position is the number of candidates that precede it.
-  for (int d = 0; d < R; ++d) {
-    const int n = num_candidates[d];
-    const int32_t* cand = s.candidates + d * kMaxExperts;
-    for (int j = tid; j < n; j += blockDim.x) {
-      const int e = cand[j], c = s.alloc[e * R + d];
-      int position = 0;
-      for (int k = 0; k < n; ++k) {
-        const int e2 = cand[k], c2 = s.alloc[e2 * R + d];
-        position += (c2 > c || (c2 == c && e2 > e)) ? 1 : 0;
-      }
-      if (position < B) {
-        p.experts_to_copy[d * B + position] = e;
-        atomicOr(&slotted[d][e >> 5], 1u << (e & 31));
-      }
+  // Slots: the top-B remote experts of each destination by (count desc, id desc). The pairs are
+  // unordered, so a pair's slot is the number of pairs of the same destination that precede it;
+  // within one destination, a larger key is a larger expert id.
+  const int num_pairs = num_candidates;
+  for (int j = tid; j < num_pairs; j += blockDim.x) {
+    const int key = cand_key[j], c = cand_count[j], d = key % kMaxRanks, e = key / kMaxRanks;
+    int position = 0;
+    for (int k = 0; k < num_pairs; ++k) {
+      const int key2 = cand_key[k], c2 = cand_count[k];
+      position += key2 % kMaxRanks == d && (c2 > c || (c2 == c && key2 > key)) ? 1 : 0;
+    }
+    if (position < B) {
+      p.experts_to_copy[d * B + position] = e;
+      atomicOr(&slotted[d][e >> 5], 1u << (e & 31));
     }
   }
   __syncthreads();
@@ -347,6 +386,7 @@ __global__ void __launch_bounds__(kBalanceThreads)
 __global__ void __launch_bounds__(kRouteThreads)
     plan_route_kernel(const PlanParams p, int tokens_per_chunk) {
   __shared__ int next_rank[kMaxExperts];  // global rank of the next entry of expert e
+  __shared__ int win_id[kRouteWindow];     // the window's expert ids
   __shared__ int win_dest[kRouteWindow];
   __shared__ int win_row[kRouteWindow];   // global rank within the expert, then the row
   __shared__ int32_t* peer_src[kMaxRanks];
@@ -357,7 +397,7 @@ __global__ void __launch_bounds__(kRouteThreads)
   const Scratch s = scratch_of(g);
 
   for (int e = tid; e < E; e += blockDim.x) {
-    next_rank[e] = s.rank_base[e] + s.chunk_counts[chunk * kMaxExperts + e];
+    next_rank[e] = s.rank_base[e] + s.chunk_counts[chunk * E + e];
   }
   if (tid < R) {
     peer_src[tid] = static_cast<int32_t*>(const_cast<void*>(peer_address(g, kMailboxRecvSrc, tid)));
@@ -370,11 +410,13 @@ __global__ void __launch_bounds__(kRouteThreads)
   const int chunk_end = min(p.num_tokens, (chunk + 1) * tokens_per_chunk);
   for (int t0 = chunk * tokens_per_chunk; t0 < chunk_end; t0 += window_tokens) {
     const int first = t0 * K, n = (min(chunk_end, t0 + window_tokens) - t0) * K;
+    for (int j = tid; j < n; j += blockDim.x) win_id[j] = p.topk_idx[first + j];
+    __syncthreads();
     // Stable rank within the expert: one warp walks the window in ascending i, 32 at a time.
     if (tid < 32) {
       for (int j0 = 0; j0 < n; j0 += 32) {
         const int j = j0 + tid;
-        const int id = j < n ? p.topk_idx[first + j] : -1;
+        const int id = j < n ? win_id[j] : -1;
         const bool valid = id >= 0 && id < E;
         const unsigned same = __match_any_sync(kFullMask, valid ? id : -1);
         const int before = __popc(same & ((1u << tid) - 1u));
@@ -386,8 +428,9 @@ __global__ void __launch_bounds__(kRouteThreads)
     }
     __syncthreads();
     // Phase D: destination = number of d with alloc_cum[e, d] <= rank; row within its chunk.
+#pragma unroll 4
     for (int j = tid; j < n; j += blockDim.x) {
-      const int id = p.topk_idx[first + j];
+      const int id = win_id[j];
       if (id < 0 || id >= E) {
         win_dest[j] = -1;
         continue;
@@ -449,9 +492,10 @@ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 }  // namespace
 
 cudaError_t launch_plan(const PlanParams& p, cudaStream_t stream) {
-  // Token-aligned chunks of about kPlanChunkEntries entries, at most kMaxPlanChunks of them.
+  // Token-aligned chunks of about kPlanChunkEntries entries (see plan.h for the maximum).
   const int num_entries = p.num_tokens * p.top_k;
-  const int wanted = max(1, min(kMaxPlanChunks, ceil_div(num_entries, kPlanChunkEntries)));
+  const int max_chunks = min(kMaxPlanChunks, kPlanChunkCountInts / p.num_experts);
+  const int wanted = max(1, min(max_chunks, ceil_div(num_entries, kPlanChunkEntries)));
   const int tokens_per_chunk = ceil_div(p.num_tokens, wanted);
   const int num_chunks = ceil_div(p.num_tokens, tokens_per_chunk);
 

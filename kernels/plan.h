@@ -11,10 +11,12 @@
 
 namespace moonep {
 
-// The local entries are cut into at most kMaxPlanChunks token-aligned chunks: one CTA each for
-// the histogram and for the routing, and one row of per-chunk counts in the planner scratch.
-constexpr int kMaxPlanChunks = 32;
-constexpr int kPlanChunkEntries = 2048;  // target entries per chunk
+// The local entries are cut into token-aligned chunks of about kPlanChunkEntries entries: one
+// CTA each for the histogram and for the routing, and one [E] row of per-chunk counts in the
+// planner scratch, so at most min(kMaxPlanChunks, kPlanChunkCountInts / E) chunks.
+constexpr int kMaxPlanChunks = 256;
+constexpr int kPlanChunkEntries = 512;
+constexpr int kPlanChunkCountInts = 64 * 1024;
 
 struct PlanParams {
   // Sizes (per rank; DESIGN §2).
