@@ -1,0 +1,311 @@
+"""The MoE router, and the routed block that `moonep_jax.flax.MoE` and `moonep_jax.equinox.MoE` share.
+
+Two layers, both independent of Flax and Equinox:
+- the router proper (`route`, `update_bias`): expert scores, top-k selection and
+  DeepSeek-V3's aux-loss-free bias, on local arrays;
+- the routed block (`MoESpec`, `init_params`, `param_specs`, `moe_block`): router + optional shared
+  expert + `moonep_jax.moe_ffn` inside one `jax.shard_map` over the mesh, on global arrays. The
+  modules only hold the parameters and call `moe_block`.
+
+Aux-loss-free balancing (DeepSeek-V3, arXiv:2412.19437 §2.1.2): a per-expert bias `b` is added to
+the scores **for the selection only**; the gate weights come from the unbiased scores of the
+selected experts, renormalised over the K selected. After each step, `b_e += rate * sign(mean -
+count_e)`: overloaded experts become less attractive, under-loaded ones more. The bias is not a
+trainable parameter (no gradient flows into it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from moonep_jax.config import EPConfig
+from moonep_jax.layer import moe_ffn
+from moonep_jax.plan import plan as make_plan
+from moonep_jax.routing import expert_counts, maxvio
+
+ScoreFn = Literal["softmax", "sigmoid"]
+SCORE_FNS = ("softmax", "sigmoid")
+
+
+def check_score_fn(score_fn: str, where: str) -> None:
+    """Raises `ValueError` unless `score_fn` is one of `SCORE_FNS`."""
+    if score_fn not in SCORE_FNS:
+        raise ValueError(f"`{where}`: `score_fn` must be one of {SCORE_FNS}; got {score_fn!r}.")
+
+
+def expert_scores(logits: jax.Array, score_fn: ScoreFn) -> jax.Array:
+    """Router scores in fp32: softmax over experts, or an independent sigmoid per expert.
+
+    Args:
+      logits: `[T, E]` floating router logits.
+      score_fn: "softmax" or "sigmoid" (DeepSeek-V3).
+
+    Returns:
+      `[T, E] float32` scores.
+    """
+    check_score_fn(score_fn, "moonep_jax.router.expert_scores")
+    logits = logits.astype(jnp.float32)
+    if score_fn == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    return jax.nn.sigmoid(logits)
+
+
+def route(logits: jax.Array, top_k: int, *, score_fn: ScoreFn = "softmax",
+          bias: jax.Array | None = None,
+          renormalize: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing of `T` tokens over `E` experts.
+
+    Args:
+      logits: `[T, E]` floating router logits.
+      top_k: K, experts per token, `1 <= K <= E`.
+      score_fn: "softmax" or "sigmoid".
+      bias: optional `[E]` aux-loss-free selection bias. It only changes which experts are
+        selected; the weights are the unbiased scores. No gradient flows into it.
+      renormalize: divide the K selected weights by their sum (always sensible for sigmoid
+        scores; for softmax it makes the weights of each token sum to 1).
+
+    Returns:
+      `topk_idx [T, K] int32` (distinct experts per token, highest selection score first) and
+      `topk_w [T, K] float32`. Gradients flow into `logits` through `topk_w`.
+    """
+    if logits.ndim != 2 or not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(f"`moonep_jax.router.route`: `logits` must be a floating [T, E] array; "
+                         f"got {logits.dtype}{list(logits.shape)}.")
+    num_experts = logits.shape[1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"`moonep_jax.router.route`: `top_k` must satisfy 1 <= K <= E = "
+                         f"{num_experts}; got K={top_k}.")
+    if bias is not None and bias.shape != (num_experts,):
+        raise ValueError(f"`moonep_jax.router.route`: `bias` must have shape [E] = [{num_experts}]; "
+                         f"got {list(bias.shape)}.")
+    scores = expert_scores(logits, score_fn)
+    selection = scores
+    if bias is not None:
+        selection = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))[None, :]
+    _, topk_idx = jax.lax.top_k(jax.lax.stop_gradient(selection), top_k)
+    topk_w = jnp.take_along_axis(scores, topk_idx, axis=-1)
+    if renormalize:
+        # The guard only matters when every selected score underflowed to 0 (extreme bias).
+        denom = jnp.maximum(jnp.sum(topk_w, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+        topk_w = topk_w / denom
+    return topk_idx.astype(jnp.int32), topk_w
+
+
+def update_bias(bias: jax.Array, counts: jax.Array, rate: float) -> jax.Array:
+    """DeepSeek-V3's bias update: `b_e + rate * sign(mean(counts) - counts_e)`.
+
+    Args:
+      bias: `[E]` current selection bias.
+      counts: `[E]` global routed entries per expert of the last step (`aux["expert_counts"]`).
+      rate: the bias update speed gamma (DeepSeek-V3 uses 0.001).
+
+    Returns:
+      The new `[E]` bias, same dtype as `bias`.
+    """
+    if bias.shape != counts.shape or bias.ndim != 1:
+        raise ValueError(f"`moonep_jax.router.update_bias`: `bias` and `counts` must both have "
+                         f"shape [E]; got {list(bias.shape)} and {list(counts.shape)}.")
+    counts = counts.astype(jnp.float32)
+    step = rate * jnp.sign(jnp.mean(counts) - counts)
+    return (bias.astype(jnp.float32) + step).astype(bias.dtype)
+
+
+# ---- the routed block ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+    """Static description of one routed MoE block; hashable, so modules keep it as static data.
+
+    Args:
+      num_experts: E, routed experts, `E % R == 0`.
+      top_k: K, experts per token.
+      hidden: H, model hidden size.
+      ffn_hidden: F, intermediate size of each routed expert.
+      mesh: the device mesh; must have `axis_name` and every name in `data_axes`.
+      axis_name: the EP mesh axis; experts are sharded over it.
+      data_axes: further mesh axes the tokens are sharded over (data parallelism), outermost
+        first. Tokens are sharded over `(*data_axes, axis_name)`; each `data_axes` coordinate is
+        an independent EP group holding a full copy of the experts.
+      shared_ffn_hidden: intermediate size of the shared expert (a dense SwiGLU FFN on every
+        token), or None for no shared expert.
+      score_fn: router scores, "softmax" or "sigmoid".
+      renormalize: renormalise the K selected weights to sum to 1.
+      router_bias: keep a DeepSeek-V3 aux-loss-free selection bias `[E]`.
+      prefetch_slots, token_padding, implementation: passed to `EPConfig`.
+    """
+
+    num_experts: int
+    top_k: int
+    hidden: int
+    ffn_hidden: int
+    mesh: jax.sharding.Mesh
+    axis_name: str = "ep"
+    data_axes: tuple[str, ...] = ()
+    shared_ffn_hidden: int | None = None
+    score_fn: ScoreFn = "softmax"
+    renormalize: bool = True
+    router_bias: bool = False
+    prefetch_slots: int | None = None
+    token_padding: int = 1
+    implementation: str = "auto"
+
+    def __post_init__(self):
+        object.__setattr__(self, "data_axes", tuple(self.data_axes))
+        if not isinstance(self.mesh, jax.sharding.Mesh):
+            raise TypeError(f"`moonep_jax.MoE`: `mesh` must be a jax.sharding.Mesh; "
+                            f"got {type(self.mesh).__name__}.")
+        names = self.mesh.axis_names
+        for axis in self.token_axes:
+            if axis not in names:
+                raise ValueError(f"`moonep_jax.MoE`: mesh axis {axis!r} (from `axis_name` / "
+                                 f"`data_axes`) is not in the mesh axes {names}.")
+        if len(set(self.token_axes)) != len(self.token_axes):
+            raise ValueError(f"`moonep_jax.MoE`: `data_axes` must be distinct and must not contain "
+                             f"`axis_name`; got data_axes={self.data_axes}, "
+                             f"axis_name={self.axis_name!r}.")
+        if self.shared_ffn_hidden is not None and self.shared_ffn_hidden < 1:
+            raise ValueError(f"`moonep_jax.MoE`: `shared_ffn_hidden` must be None or >= 1; "
+                             f"got {self.shared_ffn_hidden}.")
+        check_score_fn(self.score_fn, "moonep_jax.MoE")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"`moonep_jax.MoE`: `top_k` must satisfy 1 <= K <= E = "
+                             f"{self.num_experts}; got K={self.top_k}.")
+        self.ep_config(self.num_token_shards)  # checks E % R, B, tp with one token per rank
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """Mesh axes the tokens are sharded over, outermost first."""
+        return (*self.data_axes, self.axis_name)
+
+    @property
+    def num_token_shards(self) -> int:
+        """Number of token shards = product of the `token_axes` sizes."""
+        return math.prod(self.mesh.shape[a] for a in self.token_axes)
+
+    def ep_config(self, num_tokens: int) -> EPConfig:
+        """The per-rank `EPConfig` for a global batch of `num_tokens` tokens."""
+        return EPConfig(
+            num_experts=self.num_experts, top_k=self.top_k,
+            tokens_per_rank=num_tokens // self.num_token_shards, hidden=self.hidden,
+            ffn_hidden=self.ffn_hidden, num_ranks=self.mesh.shape[self.axis_name],
+            prefetch_slots=self.prefetch_slots, token_padding=self.token_padding,
+            axis_name=self.axis_name, implementation=self.implementation)
+
+
+def param_specs(spec: MoESpec) -> dict[str, P]:
+    """`PartitionSpec` of every parameter of the block: experts over the EP axis, the rest replicated."""
+    specs = {"router_w": P(None, None),
+             "w_gate_up": P(spec.axis_name, None, None),
+             "w_down": P(spec.axis_name, None, None)}
+    if spec.router_bias:
+        specs["router_bias"] = P(None)
+    if spec.shared_ffn_hidden is not None:
+        specs["shared_w_gate_up"] = P(None, None)
+        specs["shared_w_down"] = P(None, None)
+    return specs
+
+
+def init_params(key: jax.Array, spec: MoESpec, dtype=jnp.float32) -> dict[str, jax.Array]:
+    """Fresh parameters of the block (global arrays, not yet placed).
+
+    Weights use fan-in scaled truncated normals; the router bias starts at zero.
+
+    Returns:
+      A dict with `router_w [H, E]`, `w_gate_up [E, H, 2F]`, `w_down [E, F, H]`, and when enabled
+      `router_bias [E]`, `shared_w_gate_up [H, 2Fs]`, `shared_w_down [Fs, H]`.
+    """
+    H, E, F = spec.hidden, spec.num_experts, spec.ffn_hidden
+    dense = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+    stacked = jax.nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))
+    keys = jax.random.split(key, 5)
+    params = {"router_w": dense(keys[0], (H, E), dtype),
+              "w_gate_up": stacked(keys[1], (E, H, 2 * F), dtype),
+              "w_down": stacked(keys[2], (E, F, H), dtype)}
+    if spec.router_bias:
+        params["router_bias"] = jnp.zeros((E,), dtype)
+    if spec.shared_ffn_hidden is not None:
+        Fs = spec.shared_ffn_hidden
+        params["shared_w_gate_up"] = dense(keys[3], (H, 2 * Fs), dtype)
+        params["shared_w_down"] = dense(keys[4], (Fs, H), dtype)
+    return params
+
+
+def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """Dense SwiGLU FFN, `silu(x W_gate) * (x W_up) W_down`, with fp32 accumulation."""
+    ffn = w_down.shape[0]
+    h = jnp.dot(x, w_gate_up, preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(h[:, :ffn]) * h[:, ffn:]).astype(x.dtype)
+    return jnp.dot(h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _check_tokens(x: jax.Array, spec: MoESpec) -> None:
+    shards = spec.num_token_shards
+    if x.ndim != 2 or x.shape[1] != spec.hidden:
+        raise ValueError(f"`moonep_jax.MoE`: `x` must have shape [T, H] = [T, {spec.hidden}]; "
+                         f"got {list(x.shape)}.")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"`moonep_jax.MoE`: `x` must be floating; got {x.dtype}.")
+    if x.shape[0] % shards or x.shape[0] == 0:
+        raise ValueError(f"`moonep_jax.MoE`: the token count T must be a positive multiple of the "
+                         f"{shards} token shards over mesh axes {spec.token_axes}; "
+                         f"got T={x.shape[0]}.")
+
+
+def moe_block(x: jax.Array, params: Mapping[str, jax.Array],
+              spec: MoESpec) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Routed MoE block on global tokens: router, `moe_ffn`, shared expert, router statistics.
+
+    Runs one `jax.shard_map` over `spec.mesh`; each token shard routes its own tokens with the
+    replicated router and calls `moonep_jax.moe_ffn` with its EP rank's experts. Differentiable in
+    `x` and every parameter except `router_bias`. Call it under `jax.jit` (eagerly it works too).
+
+    Args:
+      x: `[T, H]` global tokens, sharded (or to be sharded) over `spec.token_axes`.
+      params: the arrays of `init_params` (same keys), experts sharded over `spec.axis_name`.
+      spec: the static block description.
+
+    Returns:
+      `y [T, H]` (x's dtype, sharded like x) and `aux`, a dict of router statistics:
+      `expert_counts [E] int32` (routed entries per expert over the whole batch), `maxvio []
+      float32` (`max_e(T_e / mean) - 1`), and `recv_slots [num_token_shards] int32`, the rows each
+      rank received in the plan (rows with `recv_src >= 0`; ranks ordered like the token shards).
+      MoonEP's invariant makes every entry of `recv_slots` equal `S*K` (tp = 1, nothing dropped).
+    """
+    _check_tokens(x, spec)
+    cfg = spec.ep_config(x.shape[0])
+    expected = param_specs(spec)
+    if set(params) != set(expected):
+        raise ValueError(f"`moonep_jax.MoE`: `params` must have the keys {sorted(expected)}; "
+                         f"got {sorted(params)}.")
+    params = dict(params)
+    tokens = P(spec.token_axes, None)
+
+    def per_shard(x, params):
+        logits = jnp.dot(x.astype(jnp.float32), params["router_w"].astype(jnp.float32))
+        topk_idx, topk_w = route(logits, spec.top_k, score_fn=spec.score_fn,
+                                 bias=params.get("router_bias"), renormalize=spec.renormalize)
+        experts = {"w_gate_up": params["w_gate_up"].astype(x.dtype),
+                   "w_down": params["w_down"].astype(x.dtype)}
+        y = moe_ffn(x, topk_idx, topk_w, experts, cfg)
+        if spec.shared_ffn_hidden is not None:
+            y = y + swiglu(x, params["shared_w_gate_up"].astype(x.dtype),
+                           params["shared_w_down"].astype(x.dtype))
+        counts = jax.lax.psum(expert_counts(topk_idx, spec.num_experts), spec.token_axes)
+        # Measured from the plan, not assumed: this is the number the layer's shapes rely on.
+        recv_slots = jnp.sum(make_plan(topk_idx, cfg).recv_src >= 0, dtype=jnp.int32)
+        return y, counts, recv_slots.reshape(1)
+
+    y, counts, recv_slots = jax.shard_map(
+        per_shard, mesh=spec.mesh, in_specs=(tokens, expected),
+        out_specs=(tokens, P(), P(spec.token_axes)))(x, params)
+    aux = {"expert_counts": counts, "maxvio": maxvio(counts), "recv_slots": recv_slots}
+    return y, aux
