@@ -28,11 +28,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moonep_jax import _checks
 from moonep_jax._impl import resolved_implementation
 from moonep_jax.config import DROPPED, EPConfig
 from moonep_jax.plan_types import Plan
 
 _I32 = jnp.int32
+_OP = "moonep_jax.plan"
 
 
 def plan(topk_idx: jax.Array, cfg: EPConfig) -> Plan:
@@ -50,52 +52,15 @@ def plan(topk_idx: jax.Array, cfg: EPConfig) -> Plan:
       TypeError / ValueError: at trace time, for a wrong `cfg`, `topk_idx` shape or dtype, or when
         not traced inside `jax.shard_map` over an axis `cfg.axis_name` of size `cfg.num_ranks`.
     """
-    _check_config(cfg)
-    _check_topk_idx(topk_idx, cfg)
-    _check_ep_axis(cfg)
+    _checks.check_config(_OP, cfg)
+    _checks.check_array(_OP, "topk_idx", topk_idx, "[S, K]", [cfg.tokens_per_rank, cfg.top_k],
+                        jnp.int32)
+    _checks.check_ep_axis(_OP, cfg)
     if resolved_implementation(cfg) == "cuda":
         from moonep_jax._cuda import plan as cuda_plan  # only importable with the extension built
 
         return cuda_plan.plan_impl(topk_idx, cfg)
     return _plan_xla(topk_idx, cfg)
-
-
-# ---- validation ---------------------------------------------------------------------------------
-
-
-def _check_config(cfg) -> None:
-    if not isinstance(cfg, EPConfig):
-        raise TypeError(
-            f"`moonep_jax.plan`: `cfg` must be a moonep_jax.EPConfig; got {type(cfg).__name__}.")
-
-
-def _check_topk_idx(topk_idx, cfg: EPConfig) -> None:
-    expected = [cfg.tokens_per_rank, cfg.top_k]
-    shape = getattr(topk_idx, "shape", None)
-    dtype = getattr(topk_idx, "dtype", None)
-    if shape is None or dtype is None:
-        raise TypeError(
-            f"`moonep_jax.plan`: `topk_idx` must be an int32 array of shape [S, K] = {expected}; "
-            f"got {type(topk_idx).__name__}.")
-    if list(shape) != expected:
-        raise ValueError(
-            f"`moonep_jax.plan`: `topk_idx` must have shape [S, K] = {expected} (per EP rank); "
-            f"got {list(shape)}.")
-    if dtype != jnp.int32:
-        raise TypeError(f"`moonep_jax.plan`: `topk_idx` must have dtype int32; got {dtype}.")
-
-
-def _check_ep_axis(cfg: EPConfig) -> None:
-    try:
-        size = lax.axis_size(cfg.axis_name)
-    except NameError:
-        raise ValueError(
-            f"`moonep_jax.plan`: the EP axis `{cfg.axis_name}` (`EPConfig.axis_name`) is not "
-            "bound; call plan inside `jax.shard_map` over a mesh with that axis.") from None
-    if size != cfg.num_ranks:
-        raise ValueError(
-            f"`moonep_jax.plan`: the EP axis `{cfg.axis_name}` must have size "
-            f"`EPConfig.num_ranks` = {cfg.num_ranks}; got {size}.")
 
 
 # ---- the reference planner ----------------------------------------------------------------------
