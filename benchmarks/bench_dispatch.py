@@ -235,9 +235,9 @@ def run_point(mesh, cfgs: dict, maxvio: float, args, methods: list[str], on_poin
             result.update(bandwidths(result["median_ms"], row_bytes, cfg, rows))
         point["results"].append(result)
         on_point(point)
-        print(f"maxvio {maxvio:5.1f} {op:8s} {result['method']:15s} "
-              + (f"{result['median_ms']:9.3f} ms" if result["status"] == "ok" else result["status"]),
-              flush=True)
+        outcome = (f"{result['median_ms']:9.3f} ms" if result["status"] == "ok"
+                   else result["status"])
+        print(f"maxvio {maxvio:5.1f} {op:8s} {result['method']:15s} {outcome}", flush=True)
 
     for impl in ("cuda", "xla"):
         name = f"moonep_{impl}"

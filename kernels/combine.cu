@@ -12,6 +12,8 @@ constexpr int kWarpsPerCta = kThreads / 32;
 // Vectors per lane loaded together from one row: several 16-byte remote loads in flight.
 constexpr int kUnroll = 4;
 constexpr unsigned kFullMask = 0xffffffffu;
+// NOTE: peers' buffers are read with ld.global.cg (__ldcg: L2, never L1). XLA reuses buffer
+// addresses across calls, and a stale L1 line of an earlier call must never be served.
 constexpr int kMailboxY = mailbox_slot(kOpCombine, 0);
 constexpr int kMailboxRecvW = mailbox_slot(kOpCombineWeights, 0);
 
@@ -76,7 +78,7 @@ __global__ void __launch_bounds__(kThreads) combine_gather_kernel(CombineParams 
           P v[kUnroll];
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u)
-            if (base + u * 32 < row_vecs) v[u].vec = in[base + u * 32];
+            if (base + u * 32 < row_vecs) v[u].vec = __ldcg(in + base + u * 32);
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
@@ -123,22 +125,18 @@ __global__ void __launch_bounds__(kThreads) combine_weights_gather_kernel(Combin
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < p.num_entries;
        i += gridDim.x * blockDim.x) {
     const Destination d = decode_destination(p.group, kOpCombineWeights, p.dst[i], p.nvs);
-    p.topk_w[i] = d.dest >= 0 ? recv_w_of[d.dest][d.row] : 0.0f;
+    p.topk_w[i] = d.dest >= 0 ? __ldcg(recv_w_of[d.dest] + d.row) : 0.0f;
   }
 }
 
 [[maybe_unused]] const int kPreloaded[] = {
-    register_kernel_for_preload(
-        reinterpret_cast<const void*>(&combine_gather_kernel<__nv_bfloat16, uint4>)),
-    register_kernel_for_preload(
-        reinterpret_cast<const void*>(&combine_gather_kernel<__nv_bfloat16, uint32_t>)),
-    register_kernel_for_preload(
-        reinterpret_cast<const void*>(&combine_gather_kernel<__nv_bfloat16, __nv_bfloat16>)),
-    register_kernel_for_preload(reinterpret_cast<const void*>(&combine_gather_kernel<float, uint4>)),
-    register_kernel_for_preload(
-        reinterpret_cast<const void*>(&combine_gather_kernel<float, uint32_t>)),
-    register_kernel_for_preload(reinterpret_cast<const void*>(&combine_gather_kernel<float, float>)),
-    register_kernel_for_preload(reinterpret_cast<const void*>(&combine_weights_gather_kernel)),
+    register_kernel_for_preload(as_symbol(&combine_gather_kernel<__nv_bfloat16, uint4>)),
+    register_kernel_for_preload(as_symbol(&combine_gather_kernel<__nv_bfloat16, uint32_t>)),
+    register_kernel_for_preload(as_symbol(&combine_gather_kernel<__nv_bfloat16, __nv_bfloat16>)),
+    register_kernel_for_preload(as_symbol(&combine_gather_kernel<float, uint4>)),
+    register_kernel_for_preload(as_symbol(&combine_gather_kernel<float, uint32_t>)),
+    register_kernel_for_preload(as_symbol(&combine_gather_kernel<float, float>)),
+    register_kernel_for_preload(as_symbol(&combine_weights_gather_kernel)),
 };
 
 }  // namespace

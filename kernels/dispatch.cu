@@ -112,12 +112,13 @@ __global__ void __launch_bounds__(kThreads) dispatch_fill_kernel(DispatchParams 
         }
       }
     }
+    // Primary rows were written by peers over NVLink: read them from L2 (__ldcg), never L1.
     for (unsigned m = __ballot_sync(kFullMask, copy_from != row); m; m &= m - 1) {
       const int i = __ffs(m) - 1;
       const int32_t from = __shfl_sync(kFullMask, copy_from, i);
       Vec* out = reinterpret_cast<Vec*>(recv_x + (row0 + i) * p.row_bytes);
       const Vec* in = reinterpret_cast<const Vec*>(recv_x + from * p.row_bytes);
-      for (int64_t j = lane; j < row_vecs; j += 32) out[j] = from < 0 ? Vec{} : in[j];
+      for (int64_t j = lane; j < row_vecs; j += 32) out[j] = from < 0 ? Vec{} : __ldcg(in + j);
     }
   }
 }
@@ -135,14 +136,14 @@ cudaError_t launch_data_kernels(const DispatchParams& p, cudaStream_t stream) {
 // Loaded on every device when a transport context is created (lazy loading while a peer spins
 // in a barrier can deadlock).
 [[maybe_unused]] const int kPreloaded[] = {
-    register_kernel_for_preload(reinterpret_cast<const void*>(&entry_rendezvous_kernel)),
-    register_kernel_for_preload(reinterpret_cast<const void*>(&exit_rendezvous_kernel)),
-    register_kernel_for_preload(reinterpret_cast<const void*>(&dispatch_send_kernel<uint4>)),
-    register_kernel_for_preload(reinterpret_cast<const void*>(&dispatch_send_kernel<uint32_t>)),
-    register_kernel_for_preload(reinterpret_cast<const void*>(&dispatch_send_kernel<uint16_t>)),
-    register_kernel_for_preload(reinterpret_cast<const void*>(&dispatch_fill_kernel<uint4>)),
-    register_kernel_for_preload(reinterpret_cast<const void*>(&dispatch_fill_kernel<uint32_t>)),
-    register_kernel_for_preload(reinterpret_cast<const void*>(&dispatch_fill_kernel<uint16_t>)),
+    register_kernel_for_preload(as_symbol(&entry_rendezvous_kernel)),
+    register_kernel_for_preload(as_symbol(&exit_rendezvous_kernel)),
+    register_kernel_for_preload(as_symbol(&dispatch_send_kernel<uint4>)),
+    register_kernel_for_preload(as_symbol(&dispatch_send_kernel<uint32_t>)),
+    register_kernel_for_preload(as_symbol(&dispatch_send_kernel<uint16_t>)),
+    register_kernel_for_preload(as_symbol(&dispatch_fill_kernel<uint4>)),
+    register_kernel_for_preload(as_symbol(&dispatch_fill_kernel<uint32_t>)),
+    register_kernel_for_preload(as_symbol(&dispatch_fill_kernel<uint16_t>)),
 };
 
 }  // namespace

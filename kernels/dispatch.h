@@ -49,6 +49,12 @@ __device__ __forceinline__ Destination decode_destination(const GroupView& g, in
 
 #endif  // __CUDACC__
 
+// A kernel's address as the `const void*` that CUDA's runtime API (and the preload list) takes.
+template <typename Kernel>
+const void* as_symbol(Kernel* kernel) {
+  return reinterpret_cast<const void*>(kernel);
+}
+
 // Rendezvous of a zero-copy op `op_slot` (an OpSlot). Entry: advance the op's epoch, publish up
 // to two buffer addresses into the op's mailbox slots 0 and 1 (nullptr: not published), barrier
 // (the op's barrier slot 0); afterwards every peer's addresses are readable with

@@ -36,8 +36,10 @@ __global__ void __launch_bounds__(kThreads) prefetch_copy_kernel(PrefetchParams 
          base < slot_vecs; base += stride * kUnroll) {
       Vec v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (base + u * stride < slot_vecs) v[u] = in != nullptr ? in[base + u * stride] : Vec{};
+      for (int u = 0; u < kUnroll; ++u) {
+        // __ldcg: L2 only, so that no stale L1 line of an earlier call is served (combine.cu).
+        if (base + u * stride < slot_vecs) v[u] = in ? __ldcg(in + base + u * stride) : Vec{};
+      }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
         if (base + u * stride < slot_vecs) out[base + u * stride] = v[u];
@@ -52,9 +54,9 @@ cudaError_t launch_copy(const PrefetchParams& p, cudaStream_t stream) {
 }
 
 [[maybe_unused]] const int kPreloaded[] = {
-    register_kernel_for_preload(reinterpret_cast<const void*>(&prefetch_copy_kernel<uint4>)),
-    register_kernel_for_preload(reinterpret_cast<const void*>(&prefetch_copy_kernel<uint32_t>)),
-    register_kernel_for_preload(reinterpret_cast<const void*>(&prefetch_copy_kernel<uint16_t>)),
+    register_kernel_for_preload(as_symbol(&prefetch_copy_kernel<uint4>)),
+    register_kernel_for_preload(as_symbol(&prefetch_copy_kernel<uint32_t>)),
+    register_kernel_for_preload(as_symbol(&prefetch_copy_kernel<uint16_t>)),
 };
 
 }  // namespace

@@ -79,10 +79,10 @@ __global__ void __launch_bounds__(kThreads) reduce_grad_kernel(ReduceGradParams 
       const int r = c.contribution[j] / p.num_slots;
       const int b = c.contribution[j] - r * p.num_slots;
       const Vec* in = reinterpret_cast<const Vec*>(g_slots_of[r] + b * p.expert_elems);
-      Vec v[kUnroll];
+      Vec v[kUnroll];  // __ldcg: L2 only, no stale L1 line of an earlier call (combine.cu)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-        if (base + u * kThreads < expert_vecs) v[u] = in[base + u * kThreads];
+        if (base + u * kThreads < expert_vecs) v[u] = __ldcg(in + base + u * kThreads);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         float* a = reinterpret_cast<float*>(&acc[u]);
@@ -113,8 +113,8 @@ cudaError_t launch_reduce(const ReduceGradParams& p, cudaStream_t stream) {
 }
 
 [[maybe_unused]] const int kPreloaded[] = {
-    register_kernel_for_preload(reinterpret_cast<const void*>(&reduce_grad_kernel<float4>)),
-    register_kernel_for_preload(reinterpret_cast<const void*>(&reduce_grad_kernel<float>)),
+    register_kernel_for_preload(as_symbol(&reduce_grad_kernel<float4>)),
+    register_kernel_for_preload(as_symbol(&reduce_grad_kernel<float>)),
 };
 
 }  // namespace
@@ -122,7 +122,8 @@ cudaError_t launch_reduce(const ReduceGradParams& p, cudaStream_t stream) {
 cudaError_t launch_reduce_grad(const ReduceGradParams& p, cudaStream_t stream) {
   cudaError_t err = launch_entry_rendezvous(p.group, kOpReduceGrad, p.g_slots, nullptr, stream);
   if (err != cudaSuccess) return err;
-  err = p.expert_elems % 4 == 0 ? launch_reduce<float4>(p, stream) : launch_reduce<float>(p, stream);
+  err = p.expert_elems % 4 == 0 ? launch_reduce<float4>(p, stream)
+                                : launch_reduce<float>(p, stream);
   if (err != cudaSuccess) return err;
   return launch_exit_rendezvous(p.group, kOpReduceGrad, stream);
 }

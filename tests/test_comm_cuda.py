@@ -122,18 +122,44 @@ def _bf16_ulp(value: np.ndarray) -> np.ndarray:
     return np.exp2(exponent - 7)
 
 
-def _fp32_combine_reference(y: np.ndarray, dst: np.ndarray, nvs: int) -> np.ndarray:
-    """`[R, S, H]` float64 exact sums of every token's valid entries' rows, from all ranks' y."""
+def _entry_rows(y: np.ndarray, dst: np.ndarray, nvs: int):
+    """Every entry's row `[R, S, K, H]` (from all ranks' y), its destination rank and validity."""
     R = y.shape[0]
     dst = dst.reshape(R, S, K).astype(np.int64)
     valid = dst != moonep_jax.DROPPED
     raw = np.where(valid, np.where(dst >= 0, dst, -dst - 1), 0)
-    rows = y.astype(np.float64)[raw // nvs, raw % nvs]  # [R, S, K, H]
-    return np.where(valid[..., None], rows, 0.0).sum(axis=2)
+    dest = np.where(valid, raw // nvs, -1)
+    return y[raw // nvs, raw % nvs], dest, valid
+
+
+def _fp32_combine_reference(y: np.ndarray, dst: np.ndarray, nvs: int) -> np.ndarray:
+    """`[R, S, H]` float64 exact sums of every token's valid entries' rows."""
+    rows, _, valid = _entry_rows(y, dst, nvs)
+    return np.where(valid[..., None], rows.astype(np.float64), 0.0).sum(axis=2)
+
+
+def _two_stage_combine_oracle(y: np.ndarray, dst: np.ndarray, nvs: int) -> np.ndarray:
+    """docs/CONTRACT.md's combine in NumPy float32: per destination rank, the rows in ascending k
+    summed from +0.0 and rounded to y's dtype; those partials summed in the order of their lowest
+    k, rounded again."""
+    rows, dest, valid = _entry_rows(y, dst, nvs)
+    rows = rows.astype(np.float32)
+    out = np.zeros(rows.shape[:2] + rows.shape[3:], np.float32)
+    for k in range(K):
+        same = [valid[:, :, k] & (dest[:, :, j] == dest[:, :, k]) for j in range(K)]
+        leads = valid[:, :, k].copy()
+        for j in range(k):
+            leads &= ~same[j]
+        partial = np.zeros_like(out)
+        for j in range(k, K):
+            partial = np.where(same[j][..., None], partial + rows[:, :, j], partial)
+        partial = partial.astype(y.dtype).astype(np.float32)
+        out = np.where(leads[..., None], out + partial, out)
+    return out.astype(y.dtype)
 
 
 @pytest.mark.parametrize("dtype,H,maxvio", ROW_CASES)
-def test_combine_bitwise_equal_to_xla(mesh, seed, maxvio, dtype, H):
+def test_combine_bitwise_equal_to_two_stage_oracle_and_xla(mesh, seed, maxvio, dtype, H):
     R = mesh.devices.size
     cfgs = _configs(R, H=H)
     nvs = cfgs["xla"].nvs
@@ -143,10 +169,12 @@ def test_combine_bitwise_equal_to_xla(mesh, seed, maxvio, dtype, H):
 
     def per_rank(topk_idx, y):
         p = plan(topk_idx, cfgs["xla"])
-        return _stack({impl: combine(y, p, cfg) for impl, cfg in cfgs.items()})
+        return _stack(({impl: combine(y, p, cfg) for impl, cfg in cfgs.items()}, p.dst))
 
     _poison_allocator(mesh, 4 * S * H)
-    out = _per_rank(per_rank, mesh)(topk_idx, y)
+    out, dst = _per_rank(per_rank, mesh)(topk_idx, y)
+    oracle = _two_stage_combine_oracle(y.reshape(R, nvs, H), np.asarray(dst), nvs)
+    np.testing.assert_array_equal(np.asarray(out["cuda"]), oracle)
     np.testing.assert_array_equal(np.asarray(out["cuda"]), np.asarray(out["xla"]))
 
 
@@ -227,10 +255,11 @@ def test_reduce_grad_bitwise_equal_to_xla_and_rank_slot_order(mesh, seed, maxvio
     rng = np.random.default_rng(seed)
     topk_idx = _routing(seed, R, maxvio, cfgs["xla"])
     # Magnitudes spread over 2^-20 .. 2^20: any other summation order changes the bits.
-    g_local = (rng.standard_normal((R * epn, 8, 12)) * np.exp2(rng.integers(-20, 20, (R * epn, 1, 1)))
-               ).astype(np.float32)
-    g_slots = (rng.standard_normal((R * B, 8, 12)) * np.exp2(rng.integers(-20, 20, (R * B, 1, 1)))
-               ).astype(np.float32)
+    def spread(n):
+        scale = np.exp2(rng.integers(-20, 20, (n, 1, 1)))
+        return (rng.standard_normal((n, 8, 12)) * scale).astype(np.float32)
+
+    g_local, g_slots = spread(R * epn), spread(R * B)
 
     def per_rank(topk_idx, g_local, g_slots):
         p = plan(topk_idx, cfgs["xla"])

@@ -27,7 +27,8 @@ ffi::Error shape_error(const char* name, const std::string& expected,
 }
 
 ffi::Error PrefetchExecute(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer w_local,
-                           ffi::Buffer<ffi::S32> experts_to_copy, ffi::Result<ffi::AnyBuffer> w_slots,
+                           ffi::Buffer<ffi::S32> experts_to_copy,
+                           ffi::Result<ffi::AnyBuffer> w_slots,
                            ffi::Span<const int32_t> mesh_ordinals, int32_t num_ranks,
                            int32_t num_sms, int64_t timeout_ns) {
   const auto w_dims = w_local.dimensions();

@@ -50,8 +50,10 @@ ffi::Error ReduceGradExecute(cudaStream_t stream, int32_t device_ordinal,
     return shape_error("experts_to_copy", "[R, B] with R = " + std::to_string(num_ranks), e2c_dims);
   const int64_t B = e2c_dims[1];
   if (!same_trailing_dims(g_slots.dimensions(), B, local_dims))
-    return shape_error("g_slots", "[B, ...] with B = " + std::to_string(B) +
-                       " and g_local's trailing dims " + dims_str(local_dims), g_slots.dimensions());
+    return shape_error("g_slots",
+                       "[B, ...] with B = " + std::to_string(B) + " and g_local's trailing dims " +
+                           dims_str(local_dims),
+                       g_slots.dimensions());
   if (!same_trailing_dims(g->dimensions(), epn, local_dims))
     return shape_error("g", "g_local's " + dims_str(local_dims), g->dimensions());
 
