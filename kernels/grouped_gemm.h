@@ -1,12 +1,15 @@
 // Launchers of the CuTe DSL grouped GEMMs (kernels/cutedsl/grouped_gemm.py), bf16 with fp32
 // accumulation, for one EP rank. Rows of `[NvS, .]` activations are grouped by `cu_seqlens [G]`
-// (inclusive ends, G = E + B); group g < E uses the home rank's `w_local[g - rank*epn]`, group
-// g >= E uses `w_slots[g - E]`. Weights are never concatenated.
+// (inclusive ends, G = E + B); group g < E uses the home rank's `w_local[g - home*epn]` (this
+// rank's own, or in inference overflow a peer's, read in place over NVLink), group g >= E uses
+// `w_slots[g - E]`. Weights are never concatenated.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "kernels/transport.cuh"
 
 namespace moonep {
 
@@ -19,11 +22,26 @@ inline int32_t gmm_max_tiles(int32_t num_rows, int32_t num_groups) {
   return (num_rows + kGmmTileM - 1) / kGmmTileM + num_groups + 1;
 }
 
+// Rows of the `[rows, 4]` int32 tile-table scratch of the ragged-M kernels: the CuTe tile table,
+// then, when overflow groups are possible, the overflow table (a count row, then one entry per
+// overflow M tile; it never has more entries than the tile table has rows).
+inline int32_t gmm_table_rows(int32_t num_rows, int32_t num_groups, bool overflow) {
+  const int32_t tiles = gmm_max_tiles(num_rows, num_groups);
+  return overflow ? 2 * tiles + 1 : tiles;
+}
+
 enum class GmmRowsOp { kForward, kDx };
 
 // forward: out [NvS, D1] = in [NvS, D0] . W_g;  dX: out [NvS, D0] = in [NvS, D1] . W_g^T.
-// Rows past cu_seqlens[G-1] are written zero. A non-empty group g < E outside this rank's
-// experts (inference overflow, read from a peer) is not supported here: its rows are zeroed.
+// Rows past cu_seqlens[G-1] are written zero.
+//
+// Inference overflow (`overflow`, decided statically: B < epn): a non-empty group g < E of another
+// rank's expert multiplies by the home rank's `w_local[g % epn]`, read in place. The launch then
+// publishes `w_local`'s address to the group and barriers (kOpGroupedGemm), runs the CuTe kernel
+// on the local/slot tiles and a second kernel on the overflow tiles (peer weights through the
+// published addresses), and barriers again so that no peer frees its w_local while it is read.
+// Without `overflow` (training, B == epn) there is no barrier, and a non-empty foreign group (bad
+// plan data) gets zero rows.
 struct GmmRowsParams {
   GmmRowsOp op;
   const void* in;               // [num_rows, D0 (fwd) | D1 (dX)] bf16
@@ -32,12 +50,14 @@ struct GmmRowsParams {
   void* out;                    // [num_rows, D1 (fwd) | D0 (dX)] bf16
   const int32_t* cu_seqlens;    // [G] inclusive ends
   const int32_t* ep_rank;       // [1] this rank's position on the EP axis (device)
-  int32_t* tile_table;          // [gmm_max_tiles(num_rows, G), 4] scratch
+  int32_t* tile_table;          // [gmm_table_rows(num_rows, G, overflow), 4] scratch
   int32_t num_rows;             // NvS
   int32_t d0, d1;               // D0, D1; both multiples of 8 (TMA strides)
   int32_t num_local;            // epn
   int32_t num_slots;            // B
   int32_t num_groups;           // G = E + B
+  bool overflow;                // B < epn: foreign groups g < E read their weights from peers
+  GroupView group;              // this rank's EP group; used only with `overflow`
 };
 
 // dw_local[j] = x_g^T . dy_g for g = rank*epn + j, dw_slots[b] = x_g^T . dy_g for g = E + b, in
@@ -56,7 +76,7 @@ struct GmmDwParams {
 cudaError_t load_grouped_gemm();
 
 // Returns cudaErrorInvalidValue for shapes the kernels do not support (D0 or D1 not a multiple
-// of 8, non-positive sizes).
+// of 8, non-positive sizes, with `overflow`: G - B != R * epn).
 cudaError_t launch_gmm_rows(const GmmRowsParams& params, cudaStream_t stream);
 cudaError_t launch_gmm_dw(const GmmDwParams& params, cudaStream_t stream);
 

@@ -152,11 +152,86 @@ def test_gmm_dw_matches_fp32_reference(seed, case, num_rows, d0, d1):
             assert np.abs(out - expected).max() <= 1e-3 * scale * max(1, cu_seqlens[g] - starts[g]) ** 0.5, g
 
 
-def test_gmm_rejects_inference_overflow_configs():
+def test_gmm_dw_refuses_inference_overflow_configs():
     from moonep_jax import EPConfig
-    from moonep_jax._cuda.gemm import gmm_impl
+    from moonep_jax._cuda.gemm import gmm_dw_impl
 
     cfg = EPConfig(num_experts=8, top_k=2, tokens_per_rank=16, hidden=64, ffn_hidden=64,
                    num_ranks=2, prefetch_slots=2)
-    with pytest.raises(NotImplementedError, match="B == epn"):
-        gmm_impl(None, None, None, None, cfg)
+    with pytest.raises(ValueError, match="gradients need prefetch_slots == epn"):
+        gmm_dw_impl(None, None, None, cfg)
+
+
+def test_gmm_overflow_needs_the_transport():
+    from moonep_jax._cuda.gemm import grouped_matmul
+
+    x = jnp.zeros((16, 64), jnp.bfloat16)
+    w_local, w_slots = jnp.zeros((4, 64, 64), jnp.bfloat16), jnp.zeros((2, 64, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="B = 2 < epn = 4"):
+        jax.eval_shape(grouped_matmul, x, w_local, w_slots, jnp.zeros(10, jnp.int32),
+                       jnp.zeros(1, jnp.int32))
+
+
+# ---- inference overflow: groups of peers' experts, weights read in place ------------------------
+
+OVERFLOW_EPN, OVERFLOW_B = 4, 2
+TILE_ROWS = 128  # M tile of the kernels
+
+
+def _overflow_inputs(rng, R, num_rows, d0, d1):
+    """Per rank: group sizes over all G = R*epn + B groups (foreign experts included), rows."""
+    E = R * OVERFLOW_EPN
+    G = E + OVERFLOW_B
+    sizes = rng.integers(0, 2 * num_rows // G, (R, G))
+    sizes[:, rng.integers(0, G)] = 0                  # an empty group
+    sizes[:, rng.integers(0, G)] += TILE_ROWS + 3     # a group over more than one M tile
+    scale = np.minimum(1.0, (num_rows - 3) / sizes.sum(axis=1, keepdims=True))
+    cu_seqlens = np.cumsum(np.floor(sizes * scale), axis=1).astype(np.int32)
+    bf16 = lambda shape: rng.standard_normal(shape).astype(jnp.bfloat16)  # noqa: E731
+    return (cu_seqlens, bf16((R, num_rows, d0)), bf16((R, num_rows, d1)),
+            bf16((E, d0, d1)), bf16((R * OVERFLOW_B, d0, d1)))
+
+
+@pytest.mark.parametrize("num_rows,d0,d1", [(1000, 256, 512), (777, 136, 264)])
+@pytest.mark.parametrize("R", [1, 2])
+def test_gmm_overflow_forward_and_dx_read_peer_weights(mesh_factory, seed, R, num_rows, d0, d1):
+    """B < epn: every group g < E has rows on every rank, so with R = 2 half of them multiply by
+    the peer's w_local, read in place; R = 1 runs the same rendezvous with a group of one."""
+    from jax.sharding import PartitionSpec as P
+
+    from moonep_jax import EPConfig
+    from moonep_jax._cuda import transport
+    from moonep_jax._cuda.gemm import grouped_matmul, grouped_matmul_dx, transport_attrs
+
+    mesh = mesh_factory(R)
+    transport.bootstrap(mesh, "ep")
+    rng = np.random.default_rng(seed)
+    cu_seqlens, x, dy, w_all, w_slots = _overflow_inputs(rng, R, num_rows, d0, d1)
+    E = R * OVERFLOW_EPN
+    cfg = EPConfig(num_experts=E, top_k=1, tokens_per_rank=num_rows, hidden=d0, ffn_hidden=d1,
+                   num_ranks=R, prefetch_slots=OVERFLOW_B)
+
+    def per_rank(x, dy, w_local, w_slots, cu_seqlens):
+        rank = jax.lax.axis_index("ep").astype(jnp.int32).reshape(1)
+        attrs = transport_attrs(cfg)
+        y = grouped_matmul(x[0], w_local, w_slots, cu_seqlens[0], rank, attrs)
+        dx = grouped_matmul_dx(dy[0], w_local, w_slots, cu_seqlens[0], rank, attrs)
+        return y[None], dx[None]
+
+    y, dx = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+        x, dy, w_all, w_slots, cu_seqlens)
+    y, dx = np.asarray(y, np.float32), np.asarray(dx, np.float32)
+    for r in range(R):
+        end = cu_seqlens[r, -1]
+        groups = _group_of_rows(cu_seqlens[r], num_rows)
+        y_ref = np.zeros((num_rows, d1), np.float32)
+        dx_ref = np.zeros((num_rows, d0), np.float32)
+        for row in range(end):
+            g = groups[row]
+            w = (w_all[g] if g < E else w_slots[r * OVERFLOW_B + g - E]).astype(np.float32)
+            y_ref[row] = x[r, row].astype(np.float32) @ w
+            dx_ref[row] = w @ dy[r, row].astype(np.float32)
+        assert end < num_rows
+        assert (y[r, end:] == 0).all() and (dx[r, end:] == 0).all()
+        _assert_bf16_close(y[r], y_ref)
+        _assert_bf16_close(dx[r], dx_ref)

@@ -1,11 +1,15 @@
 // XLA FFI handlers of the grouped GEMMs: moonep_gmm_fwd, moonep_gmm_dx, moonep_gmm_dw.
 // Shapes come from the buffers; the EP rank is an int32 operand (lax.axis_index), read on device.
+// Forward and dX can have inference-overflow groups exactly when B < epn (w_slots has fewer
+// matrices than w_local): only then do they find the EP group from the transport attributes and
+// rendezvous with the peers (kernels/grouped_gemm.h); with B == epn the attributes are unread.
 #include <cuda_runtime.h>
 
 #include <string>
 
 #include "kernels/grouped_gemm.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/transport.h"
 
 namespace ffi = xla::ffi;
 
@@ -52,11 +56,19 @@ ffi::Error check_weights(const char* target, ffi::Buffer<ffi::BF16>& w_local,
   return ffi::Error::Success();
 }
 
+// The transport attributes of the ragged-M handlers (see moonep_jax/_cuda/comm.py).
+struct Transport {
+  int32_t device_ordinal;
+  ffi::Span<const int32_t> mesh_ordinals;
+  int32_t num_ranks;
+  int64_t timeout_ns;
+};
+
 ffi::Error GmmRows(moonep::GmmRowsOp op, const char* target, cudaStream_t stream,
                    ffi::Buffer<ffi::BF16> in, ffi::Buffer<ffi::BF16> w_local,
                    ffi::Buffer<ffi::BF16> w_slots, ffi::Buffer<ffi::S32> cu_seqlens,
                    ffi::Buffer<ffi::S32> ep_rank, ffi::ResultBuffer<ffi::BF16> out,
-                   ffi::ResultBuffer<ffi::S32> tile_table) {
+                   ffi::ResultBuffer<ffi::S32> tile_table, const Transport& transport) {
   if (auto err = check_weights(target, w_local, w_slots, cu_seqlens, ep_rank); err.failure())
     return err;
   auto wl = w_local.dimensions();
@@ -71,10 +83,24 @@ ffi::Error GmmRows(moonep::GmmRowsOp op, const char* target, cudaStream_t stream
     return shape_error(target, "out", "[NvS, " + std::to_string(out_cols) + "]",
                        out->dimensions());
   const int64_t num_groups = cu_seqlens.dimensions()[0];
-  const int64_t max_tiles = moonep::gmm_max_tiles(num_rows, num_groups);
-  if (!has_shape(tile_table->dimensions(), {max_tiles, 4}))
-    return shape_error(target, "tile_table", "[" + std::to_string(max_tiles) + ", 4]",
+  const int64_t num_local = wl[0], num_slots = w_slots.dimensions()[0];
+  const bool overflow = num_slots < num_local;
+  const int64_t table_rows = moonep::gmm_table_rows(num_rows, num_groups, overflow);
+  if (!has_shape(tile_table->dimensions(), {table_rows, 4}))
+    return shape_error(target, "tile_table", "[" + std::to_string(table_rows) + ", 4]",
                        tile_table->dimensions());
+  moonep::GroupView group{};
+  if (overflow) {
+    if (num_groups - num_slots != int64_t{transport.num_ranks} * num_local)
+      return shape_error(target, "cu_seqlens", "[G] with G = R * epn + B = " +
+                         std::to_string(transport.num_ranks * num_local + num_slots),
+                         cu_seqlens.dimensions());
+    auto view = moonep::group_view(transport.device_ordinal, transport.mesh_ordinals,
+                                   transport.num_ranks);
+    if (view.has_error()) return view.error();
+    group = *view;
+    group.timeout_ns = static_cast<uint64_t>(transport.timeout_ns);
+  }
   const moonep::GmmRowsParams params{
       .op = op,
       .in = in.untyped_data(),
@@ -87,29 +113,37 @@ ffi::Error GmmRows(moonep::GmmRowsOp op, const char* target, cudaStream_t stream
       .num_rows = static_cast<int32_t>(num_rows),
       .d0 = static_cast<int32_t>(d0),
       .d1 = static_cast<int32_t>(d1),
-      .num_local = static_cast<int32_t>(wl[0]),
-      .num_slots = static_cast<int32_t>(w_slots.dimensions()[0]),
+      .num_local = static_cast<int32_t>(num_local),
+      .num_slots = static_cast<int32_t>(num_slots),
       .num_groups = static_cast<int32_t>(num_groups),
+      .overflow = overflow,
+      .group = group,
   };
   if (cudaError_t e = moonep::launch_gmm_rows(params, stream); e != cudaSuccess)
     return cuda_error(target, e);
   return ffi::Error::Success();
 }
 
-ffi::Error GmmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w_local,
-                      ffi::Buffer<ffi::BF16> w_slots, ffi::Buffer<ffi::S32> cu_seqlens,
-                      ffi::Buffer<ffi::S32> ep_rank, ffi::ResultBuffer<ffi::BF16> y,
-                      ffi::ResultBuffer<ffi::S32> tile_table) {
+ffi::Error GmmFwdImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::BF16> x,
+                      ffi::Buffer<ffi::BF16> w_local, ffi::Buffer<ffi::BF16> w_slots,
+                      ffi::Buffer<ffi::S32> cu_seqlens, ffi::Buffer<ffi::S32> ep_rank,
+                      ffi::ResultBuffer<ffi::BF16> y, ffi::ResultBuffer<ffi::S32> tile_table,
+                      ffi::Span<const int32_t> mesh_ordinals, int32_t num_ranks,
+                      int64_t timeout_ns) {
   return GmmRows(moonep::GmmRowsOp::kForward, "moonep_gmm_fwd", stream, x, w_local, w_slots,
-                 cu_seqlens, ep_rank, y, tile_table);
+                 cu_seqlens, ep_rank, y, tile_table,
+                 {device_ordinal, mesh_ordinals, num_ranks, timeout_ns});
 }
 
-ffi::Error GmmDxImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w_local,
-                     ffi::Buffer<ffi::BF16> w_slots, ffi::Buffer<ffi::S32> cu_seqlens,
-                     ffi::Buffer<ffi::S32> ep_rank, ffi::ResultBuffer<ffi::BF16> dx,
-                     ffi::ResultBuffer<ffi::S32> tile_table) {
+ffi::Error GmmDxImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::BF16> dy,
+                     ffi::Buffer<ffi::BF16> w_local, ffi::Buffer<ffi::BF16> w_slots,
+                     ffi::Buffer<ffi::S32> cu_seqlens, ffi::Buffer<ffi::S32> ep_rank,
+                     ffi::ResultBuffer<ffi::BF16> dx, ffi::ResultBuffer<ffi::S32> tile_table,
+                     ffi::Span<const int32_t> mesh_ordinals, int32_t num_ranks,
+                     int64_t timeout_ns) {
   return GmmRows(moonep::GmmRowsOp::kDx, "moonep_gmm_dx", stream, dy, w_local, w_slots,
-                 cu_seqlens, ep_rank, dx, tile_table);
+                 cu_seqlens, ep_rank, dx, tile_table,
+                 {device_ordinal, mesh_ordinals, num_ranks, timeout_ns});
 }
 
 ffi::Error GmmDwImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> dy,
@@ -152,13 +186,17 @@ ffi::Error GmmDwImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
 #define MOONEP_GMM_ROWS_BINDING                                                      \
   ffi::Ffi::Bind()                                                                   \
       .Ctx<ffi::PlatformStream<cudaStream_t>>()                                      \
+      .Ctx<ffi::DeviceOrdinal>()                                                     \
       .Arg<ffi::Buffer<ffi::BF16>>() /* x (fwd) | dy (dX) [NvS, K] */                \
       .Arg<ffi::Buffer<ffi::BF16>>() /* w_local [epn, D0, D1] */                     \
       .Arg<ffi::Buffer<ffi::BF16>>() /* w_slots [B, D0, D1] */                       \
       .Arg<ffi::Buffer<ffi::S32>>()  /* cu_seqlens [G] */                            \
       .Arg<ffi::Buffer<ffi::S32>>()  /* ep_rank [1] */                               \
       .Ret<ffi::Buffer<ffi::BF16>>() /* y [NvS, D1] (fwd) | dx [NvS, D0] (dX) */     \
-      .Ret<ffi::Buffer<ffi::S32>>()  /* tile_table scratch [gmm_max_tiles, 4] */
+      .Ret<ffi::Buffer<ffi::S32>>()  /* tile_table scratch [gmm_table_rows, 4] */     \
+      .Attr<ffi::Span<const int32_t>>("mesh_ordinals") /* read only if B < epn */    \
+      .Attr<int32_t>("num_ranks")                                                    \
+      .Attr<int64_t>("timeout_ns")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmFwd, GmmFwdImpl, MOONEP_GMM_ROWS_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});

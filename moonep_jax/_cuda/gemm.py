@@ -1,10 +1,16 @@
 """Grouped GEMMs on the GPU: the CuTe DSL kernels behind `moonep_gmm_fwd`, `_dx` and `_dw`.
 
 Rows of the `[NvS, .]` activations are grouped by `plan.cu_seqlens [G]` (G = E + B); group
-`g < E` multiplies by this rank's `w_local[g - rank*epn]`, group `g >= E` by `w_slots[g - E]`.
+`g < E` multiplies by its home rank's `w_local[g % epn]`, group `g >= E` by `w_slots[g - E]`.
 bf16 operands, fp32 accumulation, rows past `cu_seqlens[-1]` written zero (CONTRACT.md
-"grouped_matmul"). Inference overflow (a group of another rank's expert, `B < epn`) is not
-supported by these kernels.
+"grouped_matmul").
+
+Inference overflow (B < epn, decided statically from the shapes): a non-empty group `g < E` of
+another rank's expert reads that expert's weights in place from the home rank's `w_local` over
+NVLink. The forward and dX calls then publish `w_local`'s address to the EP group and barrier on
+entry and exit (`kernels/grouped_gemm.h`), so they need the transport attributes; with B == epn
+no overflow group exists, there is no barrier and the attributes are not read. dW needs B == epn
+(gradients are refused at trace time with overflow).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moonep_jax import _ffi
+from moonep_jax import _checks, _ffi
 from moonep_jax.config import EPConfig
 from moonep_jax.plan_types import Plan
 
@@ -24,16 +30,32 @@ ALIGN_ELEMS = 8
 
 
 def max_tiles(num_rows: int, num_groups: int) -> int:
-    """Entries of the tile-table scratch (kernels/grouped_gemm.h: gmm_max_tiles)."""
+    """Entries of the CuTe tile table (kernels/grouped_gemm.h: gmm_max_tiles)."""
     return -(-num_rows // TILE_M) + num_groups + 1
 
 
-def _check(name: str, arrays: dict[str, jax.Array], cfg: EPConfig | None = None) -> None:
+def table_rows(num_rows: int, num_groups: int, overflow: bool) -> int:
+    """Rows of the tile-table scratch (kernels/grouped_gemm.h: gmm_table_rows): the CuTe table,
+    then with overflow a count row and the overflow table."""
+    tiles = max_tiles(num_rows, num_groups)
+    return 2 * tiles + 1 if overflow else tiles
+
+
+# With B == epn the handlers never read the transport attributes; these only fill the binding.
+_NO_TRANSPORT = dict(mesh_ordinals=np.array([-1], np.int32), num_ranks=np.int32(1),
+                     timeout_ns=np.int64(0))
+
+
+def transport_attrs(cfg: EPConfig) -> dict:
+    """The attributes an overflow call needs to find its EP group (moonep_jax/_cuda/transport.py)."""
+    from moonep_jax._cuda import transport
+
+    return dict(mesh_ordinals=transport.mesh_ordinals(cfg), num_ranks=np.int32(cfg.num_ranks),
+                timeout_ns=np.int64(round(cfg.cuda.timeout_s * 1e9)))
+
+
+def _check(name: str, arrays: dict[str, jax.Array]) -> None:
     _ffi.lib()  # raises with the reason when the extension is missing
-    if cfg is not None and not cfg.trainable:
-        raise NotImplementedError(
-            f"`{name}`: the CUDA grouped GEMM needs B == epn (no inference overflow groups); "
-            f"got B={cfg.num_slots}, epn={cfg.epn}. Use implementation='xla'.")
     for arg, a in arrays.items():
         if a.dtype != jnp.bfloat16:
             raise TypeError(f"`{name}`: `{arg}` must be bfloat16; got {a.dtype}.")
@@ -42,25 +64,38 @@ def _check(name: str, arrays: dict[str, jax.Array], cfg: EPConfig | None = None)
                              f"{ALIGN_ELEMS}; got shape {list(a.shape)}.")
 
 
-def _rows(target: str, a, w_local, w_slots, cu_seqlens, ep_rank, out_cols: int):
+def _rows(target: str, a, w_local, w_slots, cu_seqlens, ep_rank, out_cols: int,
+          transport: dict | None):
+    overflow = w_slots.shape[0] < w_local.shape[0]
+    if overflow and transport is None:
+        raise ValueError(
+            f"`{target}`: with B = {w_slots.shape[0]} < epn = {w_local.shape[0]} (inference "
+            "overflow) the call reads peers' weights and needs `transport` "
+            "(`transport_attrs(cfg)`, inside `jax.shard_map`).")
     aval = jax.typeof(a)
     out_t = aval.update(shape=(a.shape[0], out_cols))
-    table_t = aval.update(shape=(max_tiles(a.shape[0], cu_seqlens.shape[0]), 4), dtype=jnp.int32)
+    table_t = aval.update(shape=(table_rows(a.shape[0], cu_seqlens.shape[0], overflow), 4),
+                          dtype=jnp.int32)
     out, _ = jax.ffi.ffi_call(target, (out_t, table_t))(
-        a, w_local, w_slots, cu_seqlens, ep_rank)
+        a, w_local, w_slots, cu_seqlens, ep_rank, **(transport if overflow else _NO_TRANSPORT))
     return out
 
 
-def grouped_matmul(x, w_local, w_slots, cu_seqlens, ep_rank):
-    """`y [NvS, D1]`: `x [NvS, D0]` rows of group g times its weights; `ep_rank [1] int32`."""
+def grouped_matmul(x, w_local, w_slots, cu_seqlens, ep_rank, transport: dict | None = None):
+    """`y [NvS, D1]`: `x [NvS, D0]` rows of group g times its weights; `ep_rank [1] int32`.
+
+    `transport` (`transport_attrs(cfg)`) is required when B < epn (overflow groups possible).
+    """
     _check("moonep_gmm_fwd", {"x": x, "w_local": w_local, "w_slots": w_slots})
-    return _rows("moonep_gmm_fwd", x, w_local, w_slots, cu_seqlens, ep_rank, w_local.shape[2])
+    return _rows("moonep_gmm_fwd", x, w_local, w_slots, cu_seqlens, ep_rank, w_local.shape[2],
+                 transport)
 
 
-def grouped_matmul_dx(dy, w_local, w_slots, cu_seqlens, ep_rank):
+def grouped_matmul_dx(dy, w_local, w_slots, cu_seqlens, ep_rank, transport: dict | None = None):
     """`dx [NvS, D0]`: `dy [NvS, D1]` rows of group g times its weights transposed."""
     _check("moonep_gmm_dx", {"dy": dy, "w_local": w_local, "w_slots": w_slots})
-    return _rows("moonep_gmm_dx", dy, w_local, w_slots, cu_seqlens, ep_rank, w_local.shape[1])
+    return _rows("moonep_gmm_dx", dy, w_local, w_slots, cu_seqlens, ep_rank, w_local.shape[1],
+                 transport)
 
 
 def grouped_matmul_dw(x, dy, cu_seqlens, ep_rank, num_local: int, num_slots: int):
@@ -80,16 +115,20 @@ def _ep_rank(cfg: EPConfig) -> jax.Array:
 
 # ---- backend functions (docs/CONTRACT.md), called per rank inside shard_map --------------------
 
+def _overflow_transport(cfg: EPConfig) -> dict | None:
+    return None if cfg.trainable else transport_attrs(cfg)
+
+
 def gmm_impl(x, w_local, w_slots, plan: Plan, cfg: EPConfig):
-    _check("gmm_impl", {}, cfg)
-    return grouped_matmul(x, w_local, w_slots, plan.cu_seqlens, _ep_rank(cfg))
+    return grouped_matmul(x, w_local, w_slots, plan.cu_seqlens, _ep_rank(cfg),
+                          _overflow_transport(cfg))
 
 
 def gmm_dx_impl(dy, w_local, w_slots, plan: Plan, cfg: EPConfig):
-    _check("gmm_dx_impl", {}, cfg)
-    return grouped_matmul_dx(dy, w_local, w_slots, plan.cu_seqlens, _ep_rank(cfg))
+    return grouped_matmul_dx(dy, w_local, w_slots, plan.cu_seqlens, _ep_rank(cfg),
+                             _overflow_transport(cfg))
 
 
 def gmm_dw_impl(x, dy, plan: Plan, cfg: EPConfig):
-    _check("gmm_dw_impl", {}, cfg)
+    _checks.check_trainable("gmm_dw_impl", cfg)
     return grouped_matmul_dw(x, dy, plan.cu_seqlens, _ep_rank(cfg), cfg.epn, cfg.num_slots)
