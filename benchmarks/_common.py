@@ -1,0 +1,81 @@
+"""Pieces the benchmark scripts share: timing, the run's provenance, record and plot writing."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import subprocess
+import time
+
+import jax
+import jaxlib
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def time_calls(fn, args, reps: int) -> list[float]:
+    """Wall times in ms of `reps` calls of `fn(*args)` (each until ready), after one warm-up."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def git_commit() -> str | None:
+    """The commit the code comes from: `.gpu/COMMIT` on the GPU machine (it has no git history,
+    tools/gpu.sh writes the file at build time), else `git rev-parse HEAD`."""
+    recorded = REPO / ".gpu" / "COMMIT"
+    if recorded.is_file():
+        return recorded.read_text().strip()
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=REPO, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def provenance() -> dict:
+    """Device model and count, versions, commit and time of this run."""
+    devices = jax.devices()
+    return {"device_kind": devices[0].device_kind, "num_devices": len(devices),
+            "platform": jax.default_backend(), "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "git_commit": git_commit(),
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+
+
+def device_tag() -> str:
+    """`<gpu model>x<count>` for file names (`cpu` when not on a GPU)."""
+    devices = jax.devices()
+    if jax.default_backend() != "gpu":
+        return f"cpux{len(devices)}"
+    kind = "".join(c if c.isalnum() else "_" for c in devices[0].device_kind)
+    return f"{kind}x{len(devices)}"
+
+
+def write_json(path: pathlib.Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, default=_jsonable))
+
+
+def _jsonable(value):
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None (and a message) when it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not importable: no plot")
+        return None
+    return plt
