@@ -4,39 +4,43 @@ M = S*K = 65536 rows, H = 7168, F = 2048: gate+up (K = H, N = 2F) and down (K = 
 forward, dX and dW. G = E + B groups (E = 384, EP = 2, B = epn) hold this rank's experts and its
 slots; their sizes follow a log-normal popularity whose skew is tuned to each maxvio target
 (the planner caps every rank at S*K rows, so per-group sizes are what varies). Writes
-benchmarks/results/bench_gemm_<gpu>.json and prints a table.
+benchmarks/results/bench_gemm_<gpu>x<count>.json (and into --out) and prints a table. `--quick` runs
+M = 4096, H = 512, F = 256 with 3 repetitions.
 
-    python benchmarks/bench_gemm.py [--reps 20]
+    python benchmarks/bench_gemm.py [--quick] [--out DIR] [--reps 20]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
 M, H, F = 65536, 7168, 2048
+QUICK_M, QUICK_H, QUICK_F = 4096, 512, 256
 E, R = 384, 2
 EPN = E // R
 RANK = 0
 MAXVIO = (0.2, 1.0, 10.0, 20.0)
 
 
-def group_sizes(maxvio: float, rng) -> np.ndarray:
-    """G = E + EPN sizes summing to M: this rank's EPN experts then EPN slots, others empty."""
+def group_sizes(maxvio: float, rng, m: int) -> np.ndarray:
+    """G = E + EPN sizes summing to m: this rank's EPN experts then EPN slots, others empty."""
     sigma = 0.05
     for _ in range(60):  # widen the log-normal until the hottest expert reaches the target
         pop = rng.lognormal(0.0, sigma, 2 * EPN)
         if pop.max() / pop.mean() - 1 >= maxvio:
             break
         sigma *= 1.15
-    counts = np.floor(pop / pop.sum() * M).astype(np.int64)
-    counts[np.argmax(counts)] += M - counts.sum()
+    counts = np.floor(pop / pop.sum() * m).astype(np.int64)
+    counts[np.argmax(counts)] += m - counts.sum()
     sizes = np.zeros(E + EPN, np.int64)
     sizes[RANK * EPN:(RANK + 1) * EPN] = counts[:EPN]
     sizes[E:] = counts[EPN:]
@@ -44,13 +48,7 @@ def group_sizes(maxvio: float, rng) -> np.ndarray:
 
 
 def time_ms(fn, *args, reps: int) -> list[float]:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    return _common.time_calls(fn, args, reps)
 
 
 def record(name, times, flops, **extra):
@@ -61,17 +59,22 @@ def record(name, times, flops, **extra):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=None, help="timed calls (20; --quick 3)")
+    parser.add_argument("--quick", action="store_true", help="small shapes")
+    parser.add_argument("--out", type=pathlib.Path, default=None,
+                        help="also write the JSON here (benchmarks/results always)")
     args = parser.parse_args()
+    args.reps = args.reps or (3 if args.quick else 20)
+    m, h, f = (QUICK_M, QUICK_H, QUICK_F) if args.quick else (M, H, F)
     from moonep_jax._cuda import gemm
 
     rng = np.random.default_rng(0)
     rank = jnp.array([RANK], jnp.int32)
     results = []
-    for proj, (d0, d1) in {"gate_up": (H, 2 * F), "down": (F, H)}.items():
-        flops = 2.0 * M * d0 * d1
-        x = jnp.asarray(rng.standard_normal((M, d0)), jnp.bfloat16)
-        dy = jnp.asarray(rng.standard_normal((M, d1)), jnp.bfloat16)
+    for proj, (d0, d1) in {"gate_up": (h, 2 * f), "down": (f, h)}.items():
+        flops = 2.0 * m * d0 * d1
+        x = jnp.asarray(rng.standard_normal((m, d0)), jnp.bfloat16)
+        dy = jnp.asarray(rng.standard_normal((m, d1)), jnp.bfloat16)
         w_local = jnp.asarray(rng.standard_normal((EPN, d0, d1)) * 0.02, jnp.bfloat16)
         w_slots = jnp.asarray(rng.standard_normal((EPN, d0, d1)) * 0.02, jnp.bfloat16)
         w_dense = w_local[0]
@@ -83,7 +86,7 @@ def main():
             jax.jit(lambda a, b: jnp.dot(a.T, b, preferred_element_type=jnp.float32)), x, dy,
             reps=args.reps), flops))
         for maxvio in MAXVIO:
-            sizes = group_sizes(maxvio, rng)
+            sizes = group_sizes(maxvio, rng, m)
             cu = jnp.asarray(np.cumsum(sizes), jnp.int32)
             nonzero = sizes[sizes > 0]
             extra = {"maxvio_target": maxvio, "num_groups": int(len(sizes)),
@@ -107,12 +110,12 @@ def main():
                 ragged, x, w_all[mats], jnp.asarray(sizes[active], jnp.int32),
                 reps=max(3, args.reps // 5)), flops, **extra))
 
-    device = jax.devices()[0].device_kind.replace(" ", "_")
-    out = pathlib.Path(__file__).parent / "results" / f"bench_gemm_{device}.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"device_kind": jax.devices()[0].device_kind,
-                               "jax": jax.__version__, "M": M, "H": H, "F": F, "E": E, "R": R,
-                               "records": results}, indent=1))
+    record = {"schema": "moonep_jax.bench_gemm/1", **_common.provenance(), "M": m, "H": h,
+              "F": f, "E": E, "R": R, "quick": args.quick, "records": results}
+    stem = f"bench_gemm_{_common.device_tag()}" + ("_quick" if args.quick else "")
+    outs = [pathlib.Path(__file__).parent / "results"] + ([args.out] if args.out else [])
+    for out in outs:
+        _common.write_json(out / f"{stem}.json", record)
     dense = {r["name"]: r["tflops"] for r in results if "/dense_" in r["name"]}
     print(f"{'name':28s} {'maxvio':>6s} {'ms':>8s} {'TFLOP/s':>8s} {'% dense':>8s}")
     for r in results:
@@ -121,7 +124,7 @@ def main():
         pct = f"{100 * r['tflops'] / base:7.1f}%" if base else ""
         print(f"{r['name']:28s} {r.get('maxvio_target', ''):>6} {r['median_ms']:8.3f} "
               f"{r['tflops']:8.1f} {pct:>8s}")
-    print(f"wrote {out}")
+    print(f"wrote {', '.join(str(o / stem) + '.json' for o in outs)}")
 
 
 if __name__ == "__main__":
