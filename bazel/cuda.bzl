@@ -46,8 +46,8 @@ def _cuda_objects_impl(ctx):
 cuda_objects = rule(
     implementation = _cuda_objects_impl,
     attrs = {
-        "srcs": attr.label_list(allow_files = [".cu", ".cc", ".cpp"], doc = "compiled as CUDA (`-x cu`)"),
-        "hdrs": attr.label_list(allow_files = [".h", ".cuh", ".inc"], doc = "headers the sources include"),
+        "srcs": attr.label_list(allow_files = [".cu", ".cc"], doc = "compiled as CUDA (`-x cu`)"),
+        "hdrs": attr.label_list(allow_files = [".h", ".hpp", ".cuh", ".inc"], doc = "headers the sources include"),
         "deps": attr.label_list(providers = [CcInfo], doc = "headers and include paths"),
         "copts": attr.string_list(doc = "nvcc flags: architecture, standard, optimisation"),
         "_nvcc": attr.label(

@@ -32,16 +32,17 @@ native_rules_shim = repository_rule(
     doc = "A repository whose one .bzl file re-exports rules built into Bazel.",
 )
 
-def _execute_or_fail(repository_ctx, argv, what):
+def _execute_or_fail(repository_ctx, argv, description, hint):
     result = repository_ctx.execute(argv)
     if result.return_code != 0:
-        fail("%s: `%s` failed (exit %d):\n%s%s" % (
+        fail("%s: %s failed (exit %d):\n%s%s\n%s" % (
             repository_ctx.name,
-            " ".join([str(a) for a in argv]),
+            description,
             result.return_code,
             result.stdout,
             result.stderr,
-        ) + "\n" + what)
+            hint,
+        ))
     return result.stdout.strip()
 
 def _launcher(repository_ctx, name, target):
@@ -94,22 +95,55 @@ _CUTE_DSL_BUILD = """
 cc_library(
     name = "cute_dsl_runtime_static",
     srcs = ["cute_dsl_lib/libcuda_dialect_runtime_static.a"],
+    # Its shims call the CUDA runtime: it must come before cudart on the link line.
+    deps = ["@local_cuda//:cudart_static"],
 )
 """
 
+# Without the DSL, building the CuTe DSL kernels fails at analysis with this message; everything
+# else builds.
 _NO_CUTE_DSL_BUILD = """
-# nvidia-cutlass-dsl is not installed for this interpreter: no :cute_dsl_runtime_static target.
+load(":unavailable.bzl", "unavailable")
+
+unavailable(
+    name = "cute_dsl_runtime_static",
+    message = "{python} cannot import cutlass: install nvidia-cutlass-dsl[cu13]==4.8.1 for it " +
+              "(kernels/cutedsl/build_aot.py needs it), or set MOONEP_PYTHON to one that has it",
+)
 """
 
+_UNAVAILABLE_BZL = """def _unavailable_impl(ctx):
+    fail(ctx.attr.message)
+
+unavailable = rule(implementation = _unavailable_impl, attrs = {"message": attr.string()})
+"""
+
+def _find_python(repository_ctx):
+    """$MOONEP_PYTHON (a path, relative ones from the workspace root, or a name on PATH) or python3.
+
+    The path is kept as given, not resolved: a venv's python is a symlink whose location selects
+    the venv."""
+    python = repository_ctx.os.environ.get("MOONEP_PYTHON", "") or "python3"
+    if "/" not in python:
+        found = repository_ctx.which(python)
+        if not found:
+            fail("local_python_deps: `%s` is not on PATH; set MOONEP_PYTHON to an interpreter " % python +
+                 "with jax and pybind11 (e.g. .venv/bin/python)")
+        return str(found)
+    if not python.startswith("/"):
+        workspace_root = repository_ctx.path(Label("//:WORKSPACE")).dirname
+        python = "%s/%s" % (workspace_root, python)
+    if not repository_ctx.path(python).exists:
+        fail("local_python_deps: MOONEP_PYTHON=%s does not exist" % python)
+    return python
+
 def _local_python_deps_impl(repository_ctx):
-    python = repository_ctx.os.environ.get("MOONEP_PYTHON", "") or repository_ctx.which("python3")
-    if not python:
-        fail("local_python_deps: no Python; set MOONEP_PYTHON to an interpreter with jax and pybind11")
-    python = str(python)
+    python = _find_python(repository_ctx)
     probe = _execute_or_fail(
         repository_ctx,
         [python, "-c", _PYTHON_PROBE],
-        "The interpreter (set MOONEP_PYTHON) needs jax and pybind11 installed.",
+        "asking %s for the jax, pybind11, Python and CuTe DSL paths" % python,
+        "Set MOONEP_PYTHON to an interpreter with jax and pybind11 (and nvidia-cutlass-dsl).",
     ).splitlines()
     xla_ffi_include, pybind11_include, python_include = probe[0], probe[1], probe[2]
     cute_dsl_libdir = probe[3] if len(probe) > 3 else ""
@@ -125,7 +159,8 @@ def _local_python_deps_impl(repository_ctx):
         )
         build += _CUTE_DSL_BUILD.format(libdir = cute_dsl_libdir)
     else:
-        build += _NO_CUTE_DSL_BUILD
+        repository_ctx.file("unavailable.bzl", _UNAVAILABLE_BZL)
+        build += _NO_CUTE_DSL_BUILD.format(python = python)
     repository_ctx.file("BUILD", build)
 
 local_python_deps = repository_rule(
@@ -154,7 +189,7 @@ def _cuda_root(repository_ctx):
             return candidate
     nvcc = repository_ctx.which("nvcc")
     if nvcc:
-        real_nvcc = _execute_or_fail(repository_ctx, ["readlink", "-f", str(nvcc)], "")
+        real_nvcc = _execute_or_fail(repository_ctx, ["readlink", "-f", str(nvcc)], "readlink", "")
         return real_nvcc.rpartition("/bin/nvcc")[0]
     fail("local_cuda: no CUDA toolkit: set CUDA_HOME (looked for bin/nvcc under $CUDA_HOME, " +
          "$CUDA_PATH, /usr/local/cuda and on PATH)")
