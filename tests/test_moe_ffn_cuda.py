@@ -57,10 +57,16 @@ def _routing(key, R: int, maxvio: float) -> jax.Array:
     return routing.lognormal_for_maxvio(key, R, S, K, E, maxvio)[0]
 
 
-def _inputs(seed: int, R: int, maxvio: float):
-    """Global `(x, topk_idx, topk_w, w_gate_up, w_down, d_out)`; bf16 except ids and weights."""
+def _inputs(seed: int, R: int, maxvio: float | None, rank0_ratio: float | None = None):
+    """Global `(x, topk_idx, topk_w, w_gate_up, w_down, d_out)`; bf16 except ids and weights.
+
+    With `rank0_ratio`, each of rank 0's experts is that many times as likely as any other
+    (`routing.rank_skew`) instead of a maxvio target."""
     key = jax.random.key(seed)
-    topk_idx = _routing(key, R, maxvio)
+    if rank0_ratio is None:
+        topk_idx = _routing(key, R, maxvio)
+    else:
+        topk_idx = routing.rank_skew(key, R, S, K, E, rank0_ratio)
     topk_idx = routing.with_dropped(jax.random.fold_in(key, 1), topk_idx, 0.1)
     rng = np.random.default_rng(seed)
     bf16 = lambda shape, scale=1.0: jnp.asarray(  # noqa: E731
@@ -183,20 +189,22 @@ def test_training_matches_xla_and_fp32_reference(mesh, seed, maxvio):
     assert (d_topk_w[args[1] >= 0] != 0).mean() > 0.9
 
 
-@pytest.mark.parametrize("maxvio", [1.0, 20.0])
-def test_inference_with_overflow_matches_xla_and_fp32_reference(mesh, seed, maxvio):
-    """B = 1 < epn: experts beyond the first remote one stay in their global rows, and the
-    grouped GEMM reads their weights in place from the home rank."""
+@pytest.mark.parametrize("skew", ["maxvio20", "rank0_hot"])
+def test_inference_with_overflow_matches_xla_and_fp32_reference(mesh, seed, skew):
+    """B = 1 < epn: remote experts beyond the first stay in their global rows, and the grouped
+    GEMM reads their weights in place from the home rank. With rank 0's experts 16x as hot, rank
+    1 takes over half of rank 0's entries, split over many experts: overflow groups for sure."""
     R, B = mesh.shape["ep"], 1
-    args = _inputs(seed, R, maxvio)
+    args = (_inputs(seed, R, 20.0) if skew == "maxvio20"
+            else _inputs(seed, R, None, rank0_ratio=16.0))
     p = _assert_plans_and_rows_bitwise(mesh, B, args)
     epn = E // R
     rows = np.diff(p.cu_seqlens, prepend=0, axis=1)[:, :E]  # [R, E] rows of every global group
     foreign = np.ones((R, E), bool)
     for r in range(R):
         foreign[r, r * epn:(r + 1) * epn] = False
-    if R > 1 and maxvio >= 20:
-        assert rows[foreign].sum() > 0, "the skewed routing must produce overflow groups"
+    if R > 1 and skew == "rank0_hot":
+        assert (rows[foreign] > 0).sum() >= 2, "the skewed routing must produce overflow groups"
     out = _layer_fn(mesh, B, "cuda", False)(*args)
     xla_out = _layer_fn(mesh, B, "xla", False)(*args)
     ref_out = _reference_fn(False)(*args)
