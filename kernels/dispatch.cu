@@ -118,7 +118,15 @@ __global__ void __launch_bounds__(kThreads) dispatch_fill_kernel(DispatchParams 
       const int32_t from = __shfl_sync(kFullMask, copy_from, i);
       Vec* out = reinterpret_cast<Vec*>(recv_x + (row0 + i) * p.row_bytes);
       const Vec* in = reinterpret_cast<const Vec*>(recv_x + from * p.row_bytes);
-      for (int64_t j = lane; j < row_vecs; j += 32) out[j] = from < 0 ? Vec{} : __ldcg(in + j);
+      for (int64_t base = lane; base < row_vecs; base += 32 * kUnroll) {
+        Vec v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (base + u * 32 < row_vecs) v[u] = from < 0 ? Vec{} : __ldcg(in + base + u * 32);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (base + u * 32 < row_vecs) out[base + u * 32] = v[u];
+      }
     }
   }
 }
