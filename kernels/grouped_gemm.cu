@@ -346,6 +346,7 @@ cudaError_t load_grouped_gemm() {
   if (cudaError_t e = dx_module().ensure_loaded(); e != cudaSuccess) return e;
   return dw_module().ensure_loaded();
 }
+MOONEP_PRELOAD_MODULE(load_grouped_gemm);
 
 cudaError_t launch_gmm_rows(const GmmRowsParams& p, cudaStream_t stream) {
   if (!shapes_supported(p.num_rows, p.d0, p.d1, p.num_local, p.num_slots, p.num_groups))

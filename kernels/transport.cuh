@@ -105,6 +105,14 @@ int register_kernel_for_preload(const void* kernel);
   [[maybe_unused]] static const int kPreload_##kernel = \
       ::moonep::register_kernel_for_preload(reinterpret_cast<const void*>(&kernel))
 
+// Likewise for kernel modules loaded by a function (the CuTe DSL objects exported ahead of time):
+// the first transport context calls every registered loader, which loads on all devices.
+using ModuleLoader = cudaError_t (*)();
+int register_module_loader_for_preload(ModuleLoader loader);
+#define MOONEP_PRELOAD_MODULE(loader)                         \
+  [[maybe_unused]] static const int kPreloadModule_##loader = \
+      ::moonep::register_module_loader_for_preload(&loader)
+
 #ifdef __CUDACC__
 
 // ---- memory-model helpers (system scope: peers are other GPUs) ---------------------------------

@@ -25,6 +25,11 @@ std::vector<const void*>& preload_kernels() {
   return kernels;
 }
 
+std::vector<ModuleLoader>& module_loaders() {
+  static std::vector<ModuleLoader> loaders;
+  return loaders;
+}
+
 std::string ordinals_str(const std::vector<int32_t>& ordinals) {
   std::ostringstream os;
   os << "(";
@@ -105,6 +110,9 @@ ffi::Error init_context(TransportContext& ctx) {
       MOONEP_CUDA_RETURN_IF_ERROR("moonep transport", cudaFuncGetAttributes(&attrs, kernel));
     }
   }
+  for (ModuleLoader load : module_loaders()) {  // each loads on every device, once per process
+    MOONEP_CUDA_RETURN_IF_ERROR("moonep transport: loading a CuTe DSL module", load());
+  }
   return ffi::Error::Success();
 }
 
@@ -139,6 +147,11 @@ ffi::ErrorOr<TransportContext*> get_or_create(const std::vector<int32_t>& ordina
 int register_kernel_for_preload(const void* kernel) {
   preload_kernels().push_back(kernel);
   return int(preload_kernels().size());
+}
+
+int register_module_loader_for_preload(ModuleLoader loader) {
+  module_loaders().push_back(loader);
+  return int(module_loaders().size());
 }
 
 ffi::Error cuda_error(const char* where, const char* call, cudaError_t err) {
