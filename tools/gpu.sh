@@ -5,8 +5,9 @@
 #   bash tools/gpu.sh run [BENCH ...]  # there, through the device tool with carry [".gpu"]:
 #                                      # every @pytest.mark.gpu test, then the named benchmarks
 #
-# `run` writes under $OUT (the device tool's folder that comes back): gpu_tests.log (pytest),
-# junit.xml, env.txt, and one JSON record + log per benchmark (benchmarks/<name>.py --out $OUT).
+# `run` writes under $OUT (the device tool's folder that comes back, at most 8 files):
+# gpu_tests.log (environment + pytest), benchmarks.log, and each benchmark's JSON record (+ PNG)
+# (benchmarks/<name>.py --out $OUT).
 # BENCH names are benchmark scripts without .py (bench_dispatch, bench_gemm, bench_layer) and may
 # carry arguments after a colon: bench_dispatch:--quick.
 set -uo pipefail
@@ -32,18 +33,18 @@ run() {
   export PYTHONPATH="$PWD/.gpu:$PWD${PYTHONPATH:+:$PYTHONPATH}"
   export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
   { nvidia-smi; python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())";
-    echo "commit $(cat .gpu/COMMIT 2>/dev/null || echo unknown)"; } > "$OUT/env.txt" 2>&1
-  cat "$OUT/env.txt"
+    echo "commit $(cat .gpu/COMMIT 2>/dev/null || echo unknown)"; } > "$OUT/gpu_tests.log" 2>&1
+  cat "$OUT/gpu_tests.log"
   local status=0
-  timeout "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -v -rs --junitxml="$OUT/junit.xml" tests \
-    2>&1 | tee "$OUT/gpu_tests.log" || status=1
+  timeout "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -v -rs tests \
+    2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
   for spec in "$@"; do
     local name=${spec%%:*} args=""
     [ "$spec" != "$name" ] && args=${spec#*:}
     echo "== benchmark $name $args"
     # shellcheck disable=SC2086
     timeout "${GPU_BENCH_TIMEOUT:-300}" python3 "benchmarks/$name.py" --out "$OUT" $args \
-      2>&1 | tee "$OUT/$name.log" || status=1
+      2>&1 | tee -a "$OUT/benchmarks.log" || status=1
   done
   tail -n 30 "$OUT/gpu_tests.log" | grep -E "passed|failed|error" || true
   return $status
