@@ -115,7 +115,8 @@ def scaled_config(cfg: DemoConfig, num_devices: int) -> DemoConfig:
     """Rounds `batch` and `num_experts` up to multiples of the device count."""
     def round_up(n):
         return -(-n // num_devices) * num_devices
-    return dataclasses.replace(cfg, batch=round_up(cfg.batch), num_experts=round_up(cfg.num_experts))
+    return dataclasses.replace(cfg, batch=round_up(cfg.batch),
+                               num_experts=round_up(cfg.num_experts))
 
 
 def init_model(cfg: DemoConfig, mesh: jax.sharding.Mesh):
@@ -151,7 +152,8 @@ def make_train_step(graphdef, tx):
     return train_step
 
 
-def progress_line(step: int, steps: int, loss: float, auxes: list[dict], tokens_per_s: float) -> str:
+def progress_line(step: int, steps: int, loss: float, auxes: list[dict],
+                  tokens_per_s: float) -> str:
     """One status line: step, loss, per-layer maxvio and per-rank received slots, throughput."""
     maxvio = "/".join(f"{float(a['maxvio']):.2f}" for a in auxes)
     recv = " ".join(str(int(n)) for n in np.asarray(auxes[0]["recv_slots"]))
@@ -225,7 +227,8 @@ def print_summary(summary: dict, cfg: DemoConfig, out) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moonep_jax demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moonep_jax demo",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=DemoConfig.steps, help="training steps")
     parser.add_argument("--seed", type=int, default=DemoConfig.seed, help="init and data seed")
     args = parser.parse_args(argv)

@@ -93,7 +93,9 @@ class MoE(eqx.Module):
 
 
 def shard(moe: MoE) -> MoE:
-    """Places every parameter of `moe` with `NamedSharding(moe.spec.mesh, moe.partition_specs()[name])`.
+    """Places each parameter `name` of `moe` with its declared sharding.
+
+    The sharding is `NamedSharding(moe.spec.mesh, moe.partition_specs()[name])`.
 
     Works eagerly (a `jax.device_put` per array) and under `jax.jit` / `eqx.filter_jit` (where
     `device_put` becomes a sharding constraint).

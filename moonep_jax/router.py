@@ -1,4 +1,4 @@
-"""The MoE router, and the routed block that `moonep_jax.flax.MoE` and `moonep_jax.equinox.MoE` share.
+"""The MoE router, and the routed block that `moonep_jax.flax` and `moonep_jax.equinox` share.
 
 Two layers, both independent of Flax and Equinox:
 - the router proper (`route`, `update_bias`): expert scores, top-k selection and
@@ -85,8 +85,8 @@ def route(logits: jax.Array, top_k: int, *, score_fn: ScoreFn = "softmax",
         raise ValueError(f"`moonep_jax.router.route`: `top_k` must satisfy 1 <= K <= E = "
                          f"{num_experts}; got K={top_k}.")
     if bias is not None and bias.shape != (num_experts,):
-        raise ValueError(f"`moonep_jax.router.route`: `bias` must have shape [E] = [{num_experts}]; "
-                         f"got {list(bias.shape)}.")
+        raise ValueError(f"`moonep_jax.router.route`: `bias` must have shape [E] = "
+                         f"[{num_experts}]; got {list(bias.shape)}.")
     scores = expert_scores(logits, score_fn)
     selection = scores
     if bias is not None:
@@ -203,7 +203,7 @@ class MoESpec:
 
 
 def param_specs(spec: MoESpec) -> dict[str, P]:
-    """`PartitionSpec` of every parameter of the block: experts over the EP axis, the rest replicated."""
+    """`PartitionSpec` of every block parameter: experts over the EP axis, the rest replicated."""
     specs = {"router_w": P(None, None),
              "w_gate_up": P(spec.axis_name, None, None),
              "w_down": P(spec.axis_name, None, None)}
@@ -280,7 +280,7 @@ def moe_block(x: jax.Array, params: Mapping[str, jax.Array],
       `expert_counts [E] int32` (routed entries per expert over the whole batch), `maxvio []
       float32` (`max_e(T_e / mean) - 1`), and `recv_slots [num_token_shards] int32`, the rows each
       rank received in the plan (rows with `recv_src >= 0`; ranks ordered like the token shards).
-      MoonEP's invariant makes every entry of `recv_slots` equal `S*K` (tp = 1, nothing dropped).
+      MoonEP's invariant makes every entry of `recv_slots` equal `S*K` (the router drops nothing).
     """
     _check_tokens(x, spec)
     cfg = spec.ep_config(x.shape[0])

@@ -78,7 +78,8 @@ def test_scaled_config_rounds_batch_and_experts_to_devices():
 def test_simulate_cpu_devices_sets_the_flag_once(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
     cli.simulate_cpu_devices()
-    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8"
+    assert os.environ["XLA_FLAGS"] == (
+        "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8")
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
     cli.simulate_cpu_devices()
     assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"

@@ -164,7 +164,8 @@ def test_update_bias_follows_sign_rule():
     bias = jnp.asarray([0.5, -0.25, 0.0, 1.0], jnp.float32)
     counts = jnp.asarray([5, 1, 3, 3], jnp.int32)  # mean 3
     new = router.update_bias(bias, counts, 0.125)
-    np.testing.assert_array_equal(np.asarray(new), np.asarray([0.375, -0.125, 0.0, 1.0], np.float32))
+    np.testing.assert_array_equal(np.asarray(new),
+                                  np.asarray([0.375, -0.125, 0.0, 1.0], np.float32))
 
 
 # optax's Adam bias correction raises `float ** int32` under the suite's strict dtype promotion,
@@ -275,7 +276,7 @@ def test_equinox_trains_with_filter_jit_and_filter_grad(seed):
                                   np.asarray(router.update_bias(moe.router_bias, counts, 0.5)))
 
 
-# ---- errors ---------------------------------------------------------------------------------------
+# ---- errors -------------------------------------------------------------------------------
 
 
 def test_rejects_missing_mesh_axis():
@@ -301,7 +302,8 @@ def test_rejects_bad_score_fn_and_top_k():
 def test_rejects_bad_token_shapes():
     mesh, _ = make_mesh("ep8-explicit")
     moe = meqx.MoE(H, F, E, K, mesh=mesh, key=jax.random.key(0), implementation="xla")
-    with pytest.raises(ValueError, match=r"`x` must have shape \[T, H\] = \[T, 16\]; got \[64, 4\]"):
+    with pytest.raises(ValueError,
+                       match=r"`x` must have shape \[T, H\] = \[T, 16\]; got \[64, 4\]"):
         moe(jnp.zeros((64, 4), jnp.float32))
     with pytest.raises(ValueError, match="multiple of the 8 token shards"):
         moe(jnp.zeros((60, H), jnp.float32))
@@ -314,7 +316,7 @@ def test_update_router_bias_needs_a_bias():
         moe.update_router_bias(jnp.zeros(E, jnp.int32), 0.1)
 
 
-# ---- GPU: the module on the CUDA implementation ----------------------------------------------------
+# ---- GPU: the module on the CUDA implementation --------------------------------------------
 
 
 @pytest.mark.gpu
@@ -358,4 +360,5 @@ def test_flax_module_cuda_matches_xla_forward_and_grads(seed):
     close(dx_cuda, dx_xla)
     for name in ("router_w", "w_gate_up", "w_down", "shared_w_gate_up", "shared_w_down"):
         close(dp_cuda[name].get_value(), dp_xla[name].get_value())
-        assert dp_cuda[name].get_value().sharding.spec == router.param_specs(moes["cuda"].spec)[name]
+        declared = router.param_specs(moes["cuda"].spec)[name]
+        assert dp_cuda[name].get_value().sharding.spec == declared
