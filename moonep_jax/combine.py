@@ -111,9 +111,30 @@ def _combine_xla(y: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
         partial = jnp.zeros((S, cfg.hidden), jnp.float32)
         for k2 in range(k, K):
             partial = jnp.where(same_rank[:, k, k2, None], partial + rows[:, k2], partial)
-        partial = partial.astype(y.dtype).astype(jnp.float32)
+        partial = _round_to(partial, y.dtype)
         out = jnp.where(first_on_rank[:, k, None], out + partial, out)
-    return out.astype(y.dtype)
+    return _round_to(out, y.dtype).astype(y.dtype)
+
+
+def _round_to(x: jax.Array, dtype) -> jax.Array:
+    """fp32 `x` rounded to the nearest value of `dtype` (ties to even), still as fp32.
+
+    The contract's intermediate rounding must survive compilation: XLA:GPU's excess-precision
+    simplification removes an f32 -> bf16 -> f32 convert pair (and it did, on 2xH200: the
+    reference then disagreed with the CUDA combine in ~15 % of bf16 elements by 1 ulp). For
+    bf16 the rounding is therefore done on the bit pattern, which no float rewrite can skip.
+    """
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        return x
+    if dtype != jnp.bfloat16:  # fp16: the CUDA kernels take bf16/fp32 only, no twin to match
+        return x.astype(dtype).astype(jnp.float32)
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    lsb = (bits >> 16) & jnp.uint32(1)
+    rounded = (bits + jnp.uint32(0x7FFF) + lsb) & jnp.uint32(0xFFFF0000)
+    # NaN stays NaN (the carry could otherwise turn a NaN payload into -0.0); inf/overflow round
+    # to inf exactly as the convert does.
+    return jnp.where(jnp.isnan(x), x, lax.bitcast_convert_type(rounded, jnp.float32))
 
 
 def _combine_weights_xla(recv_w: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:

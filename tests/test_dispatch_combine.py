@@ -305,3 +305,21 @@ def test_plan_and_config_types_are_checked():
     bad = moonep_jax.Plan(**{**bad.__dict__, "recv_src": np.zeros(5, np.int32)})
     with pytest.raises(ValueError, match=r"`plan.recv_src` must have shape \[NvS\] = \[18\]"):
         dispatch(x, w, bad, cfg)
+
+
+def test_bf16_rounding_on_bits_equals_the_convert(seed):
+    """combine's bit-level bf16 rounding (immune to XLA's excess-precision rewrites) is RNE."""
+    from moonep_jax.combine import _round_to
+
+    rng = np.random.default_rng(seed)
+    mantissas = rng.standard_normal(200_000).astype(np.float32)
+    scales = np.exp2(rng.integers(-140, 120, mantissas.size)).astype(np.float32)
+    ties = ((rng.integers(0, 2**16, 50_000).astype(np.uint32) << 16) | 0x8000).view(np.float32)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.4028235e38, 1e-45, -1e-45],
+                        np.float32)
+    x = np.concatenate([mantissas * scales, ties, specials])
+    got = np.asarray(jax.jit(lambda v: _round_to(v, jnp.bfloat16))(x))
+    with np.errstate(invalid="ignore"):  # NaN -> bf16
+        want = x.astype(jnp.bfloat16).astype(np.float32)
+    assert np.array_equal(got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])
+    assert np.array_equal(np.isnan(got), np.isnan(want))

@@ -198,10 +198,11 @@ ffi::Error GmmDwImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
       .Attr<int32_t>("num_ranks")                                                    \
       .Attr<int64_t>("timeout_ns")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmFwd, GmmFwdImpl, MOONEP_GMM_ROWS_BINDING,
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmDx, GmmDxImpl, MOONEP_GMM_ROWS_BINDING,
-                              {ffi::Traits::kCmdBufferCompatible});
+// NOTE: not kCmdBufferCompatible. The launch goes through the CuTe DSL's exported wrapper, which
+// makes runtime calls that stream capture forbids ("operation not permitted when stream is
+// capturing" on 2xH200 inside a captured layer step), so XLA must launch these handlers directly.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmFwd, GmmFwdImpl, MOONEP_GMM_ROWS_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmDx, GmmDxImpl, MOONEP_GMM_ROWS_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmDw, GmmDwImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -210,5 +211,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmDw, GmmDwImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_seqlens [G]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // ep_rank [1]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dw_local [epn, D0, D1]
-                                  .Ret<ffi::Buffer<ffi::F32>>(),  // dw_slots [B, D0, D1]
-                              {ffi::Traits::kCmdBufferCompatible});
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // dw_slots [B, D0, D1]

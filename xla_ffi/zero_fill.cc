@@ -52,10 +52,10 @@ ffi::Error ZeroRowsImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> buf,
 
 }  // namespace
 
+// Not kCmdBufferCompatible, like the grouped GEMM: the CuTe DSL wrapper is not capture-safe.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepZeroRows, ZeroRowsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // buf [NvS, H], aliased to out
                                   .Arg<ffi::Buffer<ffi::S32>>()   // zero_fill [G, 2]
-                                  .Ret<ffi::Buffer<ffi::BF16>>(),  // out [NvS, H]
-                              {ffi::Traits::kCmdBufferCompatible});
+                                  .Ret<ffi::Buffer<ffi::BF16>>());  // out [NvS, H]
