@@ -6,23 +6,13 @@
 
 #include "kernels/combine.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/shape_checks.h"
 #include "xla_ffi/transport.h"
 
 namespace ffi = xla::ffi;
+using moonep::shape_error;
 
 namespace {
-
-std::string dims_str(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-ffi::Error shape_error(const char* op, const char* name, const std::string& expected,
-                       ffi::Span<const int64_t> got) {
-  return ffi::Error::InvalidArgument(std::string(op) + ": `" + name + "` must have shape " +
-                                     expected + "; got " + dims_str(got) + ".");
-}
 
 ffi::ErrorOr<moonep::GroupView> group_with_timeout(int32_t device_ordinal,
                                                    ffi::Span<const int32_t> mesh_ordinals,

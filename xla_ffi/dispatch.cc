@@ -6,25 +6,16 @@
 
 #include "kernels/dispatch.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/shape_checks.h"
 #include "xla_ffi/transport.h"
 
 namespace ffi = xla::ffi;
+using moonep::dims_str;
+using moonep::shape_error;
 
 namespace {
 
 constexpr const char* kOp = "moonep_dispatch";
-
-std::string dims_str(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-ffi::Error shape_error(const char* name, const std::string& expected,
-                       ffi::Span<const int64_t> got) {
-  return ffi::Error::InvalidArgument(std::string(kOp) + ": `" + name + "` must have shape " +
-                                     expected + "; got " + dims_str(got) + ".");
-}
 
 ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                            ffi::Buffer<ffi::F32> topk_w, ffi::Buffer<ffi::S32> dst,
@@ -34,28 +25,28 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, ffi::Any
                            ffi::Span<const int32_t> mesh_ordinals, int32_t num_ranks,
                            int32_t num_sms, int64_t timeout_ns) {
   const auto x_dims = x.dimensions();
-  if (x_dims.size() != 2) return shape_error("x", "[S, H]", x_dims);
+  if (x_dims.size() != 2) return shape_error(kOp, "x", "[S, H]", x_dims);
   const int64_t S = x_dims[0], H = x_dims[1];
   const auto w_dims = topk_w.dimensions();
   if (w_dims.size() != 2 || w_dims[0] != S || w_dims[1] < 1 || w_dims[1] > 32)
-    return shape_error("topk_w", "[S, K] with S = " + std::to_string(S) + ", 1 <= K <= 32",
+    return shape_error(kOp, "topk_w", "[S, K] with S = " + std::to_string(S) + ", 1 <= K <= 32",
                        w_dims);
   const int64_t K = w_dims[1];
   if (dst.element_count() != S * K)
-    return shape_error("dst", "[S * K] = [" + std::to_string(S * K) + "]", dst.dimensions());
+    return shape_error(kOp, "dst", "[S * K] = [" + std::to_string(S * K) + "]", dst.dimensions());
   const int64_t nvs = recv_src.element_count();
   if (nvs < 1 || nvs * num_ranks >= (int64_t{1} << 31))
-    return shape_error("recv_src", "[NvS] with 1 <= R * NvS < 2^31", recv_src.dimensions());
+    return shape_error(kOp, "recv_src", "[NvS] with 1 <= R * NvS < 2^31", recv_src.dimensions());
   if (recv_primary.element_count() != nvs)
-    return shape_error("recv_primary", "[NvS] = [" + std::to_string(nvs) + "]",
+    return shape_error(kOp, "recv_primary", "[NvS] = [" + std::to_string(nvs) + "]",
                        recv_primary.dimensions());
   const auto rx_dims = recv_x->dimensions();
   if (rx_dims.size() != 2 || rx_dims[0] != nvs || rx_dims[1] != H ||
       recv_x->element_type() != x.element_type())
-    return shape_error("recv_x", "[NvS, H] = [" + std::to_string(nvs) + ", " +
+    return shape_error(kOp, "recv_x", "[NvS, H] = [" + std::to_string(nvs) + ", " +
                                      std::to_string(H) + "] of x's dtype", rx_dims);
   if (recv_w->element_count() != nvs)
-    return shape_error("recv_w", "[NvS] = [" + std::to_string(nvs) + "]", recv_w->dimensions());
+    return shape_error(kOp, "recv_w", "[NvS] = [" + std::to_string(nvs) + "]", recv_w->dimensions());
   const int64_t row_bytes = x.size_bytes() / (S > 0 ? S : 1);
   if (S < 1 || row_bytes % 2 != 0)
     return ffi::Error::InvalidArgument(std::string(kOp) +

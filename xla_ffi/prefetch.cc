@@ -6,25 +6,16 @@
 
 #include "kernels/prefetch.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/shape_checks.h"
 #include "xla_ffi/transport.h"
 
 namespace ffi = xla::ffi;
+using moonep::dims_str;
+using moonep::shape_error;
 
 namespace {
 
 constexpr const char* kOp = "moonep_prefetch";
-
-std::string dims_str(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-ffi::Error shape_error(const char* name, const std::string& expected,
-                       ffi::Span<const int64_t> got) {
-  return ffi::Error::InvalidArgument(std::string(kOp) + ": `" + name + "` must have shape " +
-                                     expected + "; got " + dims_str(got) + ".");
-}
 
 ffi::Error PrefetchExecute(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer w_local,
                            ffi::Buffer<ffi::S32> experts_to_copy,
@@ -33,7 +24,7 @@ ffi::Error PrefetchExecute(cudaStream_t stream, int32_t device_ordinal, ffi::Any
                            int32_t num_sms, int64_t timeout_ns) {
   const auto w_dims = w_local.dimensions();
   if (w_dims.size() < 1 || w_dims[0] < 1)
-    return shape_error("w_local", "[epn, ...] with epn >= 1", w_dims);
+    return shape_error(kOp, "w_local", "[epn, ...] with epn >= 1", w_dims);
   const int64_t epn = w_dims[0];
   const int64_t expert_bytes = w_local.size_bytes() / epn;
   if (expert_bytes % 2 != 0)
@@ -41,14 +32,14 @@ ffi::Error PrefetchExecute(cudaStream_t stream, int32_t device_ordinal, ffi::Any
                                        ": `w_local` must have a 2- or 4-byte dtype.");
   const auto e2c_dims = experts_to_copy.dimensions();
   if (e2c_dims.size() != 2 || e2c_dims[0] != num_ranks || e2c_dims[1] < 1)
-    return shape_error("experts_to_copy", "[R, B] with R = " + std::to_string(num_ranks), e2c_dims);
+    return shape_error(kOp, "experts_to_copy", "[R, B] with R = " + std::to_string(num_ranks), e2c_dims);
   const int64_t B = e2c_dims[1];
   const auto s_dims = w_slots->dimensions();
   bool slots_ok = s_dims.size() == w_dims.size() && s_dims[0] == B &&
                   w_slots->element_type() == w_local.element_type();
   for (size_t i = 1; slots_ok && i < w_dims.size(); ++i) slots_ok = s_dims[i] == w_dims[i];
   if (!slots_ok)
-    return shape_error("w_slots", "[B, ...] = [" + std::to_string(B) + ", ...] with w_local's "
+    return shape_error(kOp, "w_slots", "[B, ...] = [" + std::to_string(B) + ", ...] with w_local's "
                        "trailing dims " + dims_str(w_dims) + " and dtype", s_dims);
 
   auto group = moonep::group_view(device_ordinal, mesh_ordinals, num_ranks);

@@ -6,25 +6,16 @@
 
 #include "kernels/reduce_grad.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/shape_checks.h"
 #include "xla_ffi/transport.h"
 
 namespace ffi = xla::ffi;
+using moonep::dims_str;
+using moonep::shape_error;
 
 namespace {
 
 constexpr const char* kOp = "moonep_reduce_grad";
-
-std::string dims_str(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-ffi::Error shape_error(const char* name, const std::string& expected,
-                       ffi::Span<const int64_t> got) {
-  return ffi::Error::InvalidArgument(std::string(kOp) + ": `" + name + "` must have shape " +
-                                     expected + "; got " + dims_str(got) + ".");
-}
 
 // Whether `dims` is [leading, trailing dims of `like`...].
 bool same_trailing_dims(ffi::Span<const int64_t> dims, int64_t leading,
@@ -43,19 +34,19 @@ ffi::Error ReduceGradExecute(cudaStream_t stream, int32_t device_ordinal,
                              int32_t num_sms, int64_t timeout_ns) {
   const auto local_dims = g_local.dimensions();
   if (local_dims.size() < 1 || local_dims[0] < 1)
-    return shape_error("g_local", "[epn, ...] with epn >= 1", local_dims);
+    return shape_error(kOp, "g_local", "[epn, ...] with epn >= 1", local_dims);
   const int64_t epn = local_dims[0];
   const auto e2c_dims = experts_to_copy.dimensions();
   if (e2c_dims.size() != 2 || e2c_dims[0] != num_ranks || e2c_dims[1] < 1)
-    return shape_error("experts_to_copy", "[R, B] with R = " + std::to_string(num_ranks), e2c_dims);
+    return shape_error(kOp, "experts_to_copy", "[R, B] with R = " + std::to_string(num_ranks), e2c_dims);
   const int64_t B = e2c_dims[1];
   if (!same_trailing_dims(g_slots.dimensions(), B, local_dims))
-    return shape_error("g_slots",
+    return shape_error(kOp, "g_slots",
                        "[B, ...] with B = " + std::to_string(B) + " and g_local's trailing dims " +
                            dims_str(local_dims),
                        g_slots.dimensions());
   if (!same_trailing_dims(g->dimensions(), epn, local_dims))
-    return shape_error("g", "g_local's " + dims_str(local_dims), g->dimensions());
+    return shape_error(kOp, "g", "g_local's " + dims_str(local_dims), g->dimensions());
 
   auto group = moonep::group_view(device_ordinal, mesh_ordinals, num_ranks);
   if (group.has_error()) return group.error();
