@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import jax
 
 from moonep_jax import _ffi
@@ -19,6 +22,8 @@ def resolved_implementation(cfg: EPConfig) -> str:
         return "xla"
     on_gpu = jax.default_backend() == "gpu"
     if cfg.implementation == "auto":
+        if on_gpu and not _ffi.available():
+            _warn_gpu_without_extension()
         return "cuda" if (on_gpu and _ffi.available()) else "xla"
     if not _ffi.available():
         raise RuntimeError(
@@ -29,3 +34,10 @@ def resolved_implementation(cfg: EPConfig) -> str:
             "`EPConfig.implementation='cuda'` needs a GPU backend; "
             f"jax.default_backend() is {jax.default_backend()!r}.")
     return "cuda"
+
+
+@functools.cache
+def _warn_gpu_without_extension() -> None:
+    warnings.warn(
+        "moonep_jax: running implementation='xla' on a GPU because the CUDA extension is "
+        f"unavailable: {_ffi.unavailable_reason()}", RuntimeWarning, stacklevel=3)
