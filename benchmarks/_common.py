@@ -13,6 +13,8 @@ import jaxlib
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+# The skew sweep of every benchmark (MoonEP's bench_vs_deepep).
+MAXVIOS = (0.2, 1.0, 10.0, 20.0)
 
 
 def time_calls(fn, args, reps: int) -> list[float]:
@@ -27,16 +29,14 @@ def time_calls(fn, args, reps: int) -> list[float]:
 
 
 def git_commit() -> str | None:
-    """The commit the code comes from: `.gpu/COMMIT` on the GPU machine (it has no git history,
-    tools/gpu.sh writes the file at build time), else `git rev-parse HEAD`."""
-    recorded = REPO / ".gpu" / "COMMIT"
-    if recorded.is_file():
-        return recorded.read_text().strip()
+    """The commit the code comes from: `git rev-parse HEAD`, else `.gpu/COMMIT` (the GPU machine
+    gets no git history; tools/gpu.sh writes the file at build time)."""
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               cwd=REPO, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return None
+        recorded = REPO / ".gpu" / "COMMIT"
+        return recorded.read_text().strip() if recorded.is_file() else None
 
 
 def provenance() -> dict:

@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import pathlib
-import subprocess
+import sys
 import threading
 import time
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -48,7 +46,10 @@ from moonep_jax.combine import combine
 from moonep_jax.dispatch import decode_dst, dispatch
 from moonep_jax.plan import plan
 
-MAXVIOS = (0.2, 1.0, 10.0, 20.0)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+MAXVIOS = _common.MAXVIOS
 RAGGED_TIMEOUT_S = 120.0
 
 
@@ -153,7 +154,7 @@ def all_to_all_steps(cfg: moonep_jax.EPConfig):
 
 
 def ragged_dispatch_step(cfg: moonep_jax.EPConfig):
-    R, S, K, N = cfg.num_ranks, cfg.tokens_per_rank, cfg.top_k, cfg.num_entries
+    R, K, N = cfg.num_ranks, cfg.top_k, cfg.num_entries
 
     def step(x, topk_idx):
         dest, _ = home_rank_layout(topk_idx, cfg)
@@ -284,22 +285,9 @@ def run_with_watchdog(name: str, fn, on_point, point) -> dict:
 # ---- record and plot ----------------------------------------------------------------------------
 
 
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=pathlib.Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def plot(record: dict, path: pathlib.Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not importable: no plot")
+    plt = _common.pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, op in zip(axes, ("plan", "dispatch", "combine")):
@@ -355,16 +343,10 @@ def main():
                                       implementation=impl)
             for impl in ("cuda", "xla")}
 
-    device_kind = devices[0].device_kind
-    gpu = "".join(c if c.isalnum() else "_" for c in device_kind) if on_gpu else "cpu"
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_dispatch_{gpu}x{R}" + ("_quick" if args.quick else "")
+    stem = f"bench_dispatch_{_common.device_tag()}" + ("_quick" if args.quick else "")
     record = {
-        "schema": "moonep_jax.bench_dispatch/1",
-        "device_kind": device_kind, "num_devices": R, "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "git_commit": git_commit(),
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "schema": "moonep_jax.bench_dispatch/1", **_common.provenance(),
         "shape": dataclasses.asdict(shape), "dtype": "bfloat16", "nvs": cfgs["xla"].nvs,
         "num_sms": cfgs["cuda"].cuda.num_sms, "iters": args.iters, "reps": args.reps,
         "methods": methods,

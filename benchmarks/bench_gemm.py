@@ -23,6 +23,8 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
+from moonep_jax import _ffi  # noqa: E402
+
 M, H, F = 65536, 7168, 2048
 QUICK_M, QUICK_H, QUICK_F = 4096, 512, 256
 E, R = 384, 2
@@ -51,7 +53,7 @@ def time_ms(fn, *args, reps: int) -> list[float]:
     return _common.time_calls(fn, args, reps)
 
 
-def record(name, times, flops, **extra):
+def measurement(name, times, flops, **extra):
     median = float(np.median(times))
     return {"name": name, "times_ms": times, "median_ms": median,
             "tflops": flops / (median * 1e-3) / 1e12, **extra}
@@ -66,6 +68,10 @@ def main():
     args = parser.parse_args()
     args.reps = args.reps or (3 if args.quick else 20)
     m, h, f = (QUICK_M, QUICK_H, QUICK_F) if args.quick else (M, H, F)
+    if jax.default_backend() != "gpu" or not _ffi.available():
+        print("bench_gemm: skipped, it measures the CUDA grouped GEMM and needs a GPU and the "
+              f"extension (backend {jax.default_backend()!r}; {_ffi.unavailable_reason() or 'extension built'})")
+        return
     from moonep_jax._cuda import gemm
 
     rng = np.random.default_rng(0)
@@ -78,11 +84,11 @@ def main():
         w_local = jnp.asarray(rng.standard_normal((EPN, d0, d1)) * 0.02, jnp.bfloat16)
         w_slots = jnp.asarray(rng.standard_normal((EPN, d0, d1)) * 0.02, jnp.bfloat16)
         w_dense = w_local[0]
-        results.append(record(f"{proj}/dense_fwd", time_ms(jax.jit(jnp.dot), x, w_dense,
+        results.append(measurement(f"{proj}/dense_fwd", time_ms(jax.jit(jnp.dot), x, w_dense,
                                                            reps=args.reps), flops))
-        results.append(record(f"{proj}/dense_dx", time_ms(jax.jit(lambda a, b: a @ b.T), dy,
+        results.append(measurement(f"{proj}/dense_dx", time_ms(jax.jit(lambda a, b: a @ b.T), dy,
                                                           w_dense, reps=args.reps), flops))
-        results.append(record(f"{proj}/dense_dw", time_ms(
+        results.append(measurement(f"{proj}/dense_dw", time_ms(
             jax.jit(lambda a, b: jnp.dot(a.T, b, preferred_element_type=jnp.float32)), x, dy,
             reps=args.reps), flops))
         for maxvio in MAXVIO:
@@ -95,18 +101,18 @@ def main():
             fwd = jax.jit(gemm.grouped_matmul)
             dx = jax.jit(gemm.grouped_matmul_dx)
             dw = jax.jit(gemm.grouped_matmul_dw, static_argnums=(4, 5))
-            results.append(record(f"{proj}/moonep_fwd", time_ms(
+            results.append(measurement(f"{proj}/moonep_fwd", time_ms(
                 fwd, x, w_local, w_slots, cu, rank, reps=args.reps), flops, **extra))
-            results.append(record(f"{proj}/moonep_dx", time_ms(
+            results.append(measurement(f"{proj}/moonep_dx", time_ms(
                 dx, dy, w_local, w_slots, cu, rank, reps=args.reps), flops, **extra))
-            results.append(record(f"{proj}/moonep_dw", time_ms(
+            results.append(measurement(f"{proj}/moonep_dw", time_ms(
                 dw, x, dy, cu, rank, EPN, EPN, reps=args.reps), flops, **extra))
             # ragged_dot over the non-empty groups' weights (a reference, not a rival).
             active = np.nonzero(sizes)[0]
             w_all = jnp.concatenate([w_local, w_slots])
             mats = np.where(active >= E, active - E + EPN, active - RANK * EPN)
             ragged = jax.jit(lambda a, w, s: jax.lax.ragged_dot(a, w, s))
-            results.append(record(f"{proj}/ragged_dot_fwd", time_ms(
+            results.append(measurement(f"{proj}/ragged_dot_fwd", time_ms(
                 ragged, x, w_all[mats], jnp.asarray(sizes[active], jnp.int32),
                 reps=max(3, args.reps // 5)), flops, **extra))
 

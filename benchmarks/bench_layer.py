@@ -62,7 +62,7 @@ from moonep_jax.experts import prefetch  # noqa: E402
 from moonep_jax.layer import moe_ffn  # noqa: E402
 from moonep_jax.plan import plan  # noqa: E402
 
-MAXVIOS = (0.2, 1.0, 10.0, 20.0)
+MAXVIOS = _common.MAXVIOS
 METHOD_BUDGET_S = {"moonep_cuda": 100.0, "a2a_pad_gmm": 60.0, "ragged_a2a_dot": 45.0,
                    "moonep_xla": 120.0}
 RAGGED_HANG_S = 90.0
