@@ -36,7 +36,9 @@ run() {
     echo "commit $(cat .gpu/COMMIT 2>/dev/null || echo unknown)"; } > "$OUT/gpu_tests.log" 2>&1
   cat "$OUT/gpu_tests.log"
   local status=0
-  timeout "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -v -rs tests \
+  # shellcheck disable=SC2086
+  timeout "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -v -rs --tb=short --durations=20 \
+    ${GPU_TEST_ARGS:-tests} \
     2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
   for spec in "$@"; do
     local name=${spec%%:*} args=""
