@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from moonep_jax import _checks
 from moonep_jax.config import EPConfig
@@ -118,10 +119,14 @@ def _moe_ffn_bwd(cfg, residuals, d_out):
     d_recv_w = jnp.sum(d_z32 * y.astype(_F32), axis=1)              # [NvS] f32
     d_y = _scale_rows(d_z, recv_w)
 
+    # Each re-prefetch is tied to a backward value so XLA can neither CSE it with the forward's
+    # prefetch (that would keep the slots alive as a residual) nor hoist it into the forward.
+    w_down, d_y = lax.optimization_barrier((w_down, d_y))
     slots_down = op("prefetch")(w_down, plan, cfg)
     d_act = op("gmm_dx")(d_y, w_down, slots_down, plan, cfg)        # [NvS, F]
     d_down_local, d_down_slots = op("gmm_dw")(_swiglu(h), d_y, plan, cfg)
     d_h = _swiglu_grad(h, d_act)                                    # [NvS, 2F]
+    w_gate_up, d_h = lax.optimization_barrier((w_gate_up, d_h))
     slots_gate_up = op("prefetch")(w_gate_up, plan, cfg)
     d_recv_x = op("gmm_dx")(d_h, w_gate_up, slots_gate_up, plan, cfg)
     d_gate_up_local, d_gate_up_slots = op("gmm_dw")(recv_x, d_h, plan, cfg)
