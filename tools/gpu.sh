@@ -43,10 +43,13 @@ run() {
   for spec in "$@"; do
     local name=${spec%%:*} args=""
     [ "$spec" != "$name" ] && args=${spec#*:}
-    echo "== benchmark $name $args"
+    echo "== benchmark $name $args" | tee -a "$OUT/benchmarks.log"
     # shellcheck disable=SC2086
     timeout "${GPU_BENCH_TIMEOUT:-300}" python3 "benchmarks/$name.py" --out "$OUT" $args \
-      2>&1 | tee -a "$OUT/benchmarks.log" || status=1
+      2>&1 | tee -a "$OUT/benchmarks.log"
+    local rc=${PIPESTATUS[0]}
+    echo "== benchmark $name exit $rc" | tee -a "$OUT/benchmarks.log"
+    [ "$rc" = 0 ] || status=1
   done
   tail -n 30 "$OUT/gpu_tests.log" | grep -E "passed|failed|error" || true
   return $status
