@@ -415,7 +415,8 @@ cudaError_t launch_gmm_dw(const GmmDwParams& p, cudaStream_t stream) {
   moonep_gmm_dw_Tensor_cu_seqlens_t cu = {const_cast<int32_t*>(p.cu_seqlens), {p.num_groups}};
   moonep_gmm_dw_Tensor_ep_rank_t rank = {const_cast<int32_t*>(p.ep_rank)};
   const int32_t status = cute_dsl_moonep_gmm_dw_wrapper(dw_module().get(), &a, &b, &dw_local,
-                                                        &dw_slots, &cu, &rank, stream);
+                                                        &dw_slots, &cu, &rank,
+                                                        p.zero_empty_slots ? 1 : 0, stream);
   if (status != 0) return static_cast<cudaError_t>(status);
   return cudaGetLastError();
 }

@@ -70,6 +70,7 @@ struct GmmDwParams {
   const int32_t* cu_seqlens;    // [G]
   const int32_t* ep_rank;       // [1]
   int32_t num_rows, d0, d1, num_local, num_slots, num_groups;
+  bool zero_empty_slots;        // else the matrices of slots without rows are left unwritten
 };
 
 // Loads the three exported kernels on every device (once per process). Call at bootstrap.

@@ -31,6 +31,7 @@ __global__ void __launch_bounds__(kThreads) prefetch_copy_kernel(PrefetchParams 
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int b = 0; b < p.num_slots; ++b) {
     const Vec* in = reinterpret_cast<const Vec*>(slot_source(p, b));
+    if (in == nullptr && !p.zero_unused_slots) continue;  // uniform over the grid: depends on b
     Vec* out = reinterpret_cast<Vec*>(static_cast<char*>(p.w_slots) + b * p.expert_bytes);
     for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
          base < slot_vecs; base += stride * kUnroll) {

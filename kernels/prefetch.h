@@ -18,11 +18,12 @@ struct PrefetchParams {
   int32_t experts_per_rank;        // epn
   int32_t num_slots;               // B
   int32_t num_sms;                 // CTAs of the copy kernel
+  bool zero_unused_slots;          // write zeros into unused slots (else leave them untouched)
 };
 
 // w_slots[b] = w_local of the home rank of e = experts_to_copy[rank, b], row e % epn, exactly;
 // unused slots (-1) and slots naming an expert outside [0, R * epn) (reported as bad plan data)
-// are zero. Publishes w_local's address, barriers, copies (remote reads over NVLink), then an
+// are zero when `zero_unused_slots`, else untouched. Publishes w_local's address, barriers, copies (remote reads over NVLink), then an
 // exit barrier keeps every w_local alive until all readers are done. Launches only.
 cudaError_t launch_prefetch(const PrefetchParams& params, cudaStream_t stream);
 

@@ -68,6 +68,9 @@ __global__ void __launch_bounds__(kThreads) reduce_grad_kernel(ReduceGradParams 
   const int64_t num_items = chunks_per_expert * p.experts_per_rank;
   for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
     const int le = static_cast<int>(item / chunks_per_expert);
+    // g aliases g_local (the handler checks): an expert no replica contributes to is already its
+    // own sum, and skipping it saves a read and a write of its fp32 gradient.
+    if (c.first[le] == c.first[le + 1]) continue;
     const int64_t offset = le * p.expert_elems;  // of expert le, in floats
     const int64_t base = (item % chunks_per_expert) * chunk_vecs + threadIdx.x;
     Vec acc[kUnroll];

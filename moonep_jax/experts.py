@@ -92,8 +92,11 @@ def _prefetch_bwd(cfg, plan, d_slots):
 _prefetch.defvjp(_prefetch_fwd, _prefetch_bwd)
 
 
-def _prefetch_xla(w_local: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
-    """Reference prefetch: all-gather every expert, take this rank's slot experts."""
+def _prefetch_xla(w_local: jax.Array, plan: Plan, cfg: EPConfig, *,
+                  zero_unused_slots: bool = True) -> jax.Array:
+    """Reference prefetch: all-gather every expert, take this rank's slot experts (unused slots
+    are always zero, which also satisfies `zero_unused_slots=False`: "unspecified")."""
+    del zero_unused_slots
     every_expert = lax.all_gather(w_local, cfg.axis_name, tiled=True)  # [E, D0, D1]
     slot_expert = plan.experts_to_copy[lax.axis_index(cfg.axis_name)]  # [B]
     used = (slot_expert >= 0)[:, None, None]
@@ -246,12 +249,15 @@ def _gmm_dx_xla(d_y, w_local, w_slots, plan: Plan, cfg: EPConfig) -> jax.Array:
     return _weights_by_group(d_y, w_local, w_slots, plan, cfg, transpose=True)
 
 
-def _gmm_dw_xla(x, d_y, plan: Plan, cfg: EPConfig) -> tuple[jax.Array, jax.Array]:
+def _gmm_dw_xla(x, d_y, plan: Plan, cfg: EPConfig, *,
+                zero_unused_slots: bool = True) -> tuple[jax.Array, jax.Array]:
     """Reference weight gradients `dW_g = x[rows of g]^T @ dy[rows of g]` (training, B == epn).
 
     Returns:
-      `(dw_local [epn, D0, D1] float32, dw_slots [B, D0, D1] float32)`.
+      `(dw_local [epn, D0, D1] float32, dw_slots [B, D0, D1] float32)`; unused slots are always
+      zero (which also satisfies `zero_unused_slots=False`: "unspecified").
     """
+    del zero_unused_slots
     row_group = _row_groups(plan, cfg)
 
     def group_grad(g):

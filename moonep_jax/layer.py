@@ -22,6 +22,10 @@ from moonep_jax.plan_types import Plan
 
 _OP = "moonep_jax.moe_ffn"
 _F32 = jnp.float32
+# Backend keyword of prefetch and gmm_dw: unused replica slots (and their gradients) are left
+# unwritten. The layer's GEMMs and reduce_grad read only used slots, and zeroing all B = epn slots
+# of a training layer moves more bytes than the replicas themselves.
+_USED_SLOTS_ONLY = {"zero_unused_slots": False}
 
 
 def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array,
@@ -91,12 +95,19 @@ def _moe_ffn(x, topk_w, w_gate_up, w_down, plan, cfg):
     return out
 
 
+def _slot_prefetch(plan: Plan, cfg: EPConfig):
+    """`w -> w_slots` of this plan, used slots only."""
+    impl = _checks.backend("prefetch", cfg)
+    return lambda w: impl(w, plan, cfg, **_USED_SLOTS_ONLY)
+
+
 def _forward(x, topk_w, w_gate_up, w_down, plan: Plan, cfg: EPConfig):
     """The layer; returns `(out, (recv_x, recv_w, h, y))`, the rows its backward needs."""
     op = functools.partial(_checks.backend, cfg=cfg)
+    prefetch = _slot_prefetch(plan, cfg)
     recv_x, recv_w = op("dispatch")(x, topk_w, plan, cfg)
-    slots_gate_up = op("prefetch")(w_gate_up, plan, cfg)
-    slots_down = op("prefetch")(w_down, plan, cfg)
+    slots_gate_up = prefetch(w_gate_up)
+    slots_down = prefetch(w_down)
     h = op("gmm")(recv_x, w_gate_up, slots_gate_up, plan, cfg)   # [NvS, 2F]
     y = op("gmm")(_swiglu(h), w_down, slots_down, plan, cfg)     # [NvS, H]
     out = op("combine")(_scale_rows(y, recv_w), plan, cfg)
@@ -113,6 +124,7 @@ def _moe_ffn_fwd(x, topk_w, w_gate_up, w_down, plan, cfg):
 def _moe_ffn_bwd(cfg, residuals, d_out):
     (recv_x, recv_w, h, y), w_gate_up, w_down, plan = residuals
     op = functools.partial(_checks.backend, cfg=cfg)
+    prefetch = _slot_prefetch(plan, cfg)
     no_weights = jnp.zeros((cfg.tokens_per_rank, cfg.top_k), _F32)
     d_z, _ = op("dispatch")(d_out, no_weights, plan, cfg)          # [NvS, H]
     d_z32 = d_z.astype(_F32)
@@ -122,14 +134,15 @@ def _moe_ffn_bwd(cfg, residuals, d_out):
     # Each re-prefetch is tied to a backward value so XLA can neither CSE it with the forward's
     # prefetch (that would keep the slots alive as a residual) nor hoist it into the forward.
     w_down, d_y = lax.optimization_barrier((w_down, d_y))
-    slots_down = op("prefetch")(w_down, plan, cfg)
+    slots_down = prefetch(w_down)
     d_act = op("gmm_dx")(d_y, w_down, slots_down, plan, cfg)        # [NvS, F]
-    d_down_local, d_down_slots = op("gmm_dw")(_swiglu(h), d_y, plan, cfg)
+    gmm_dw = functools.partial(op("gmm_dw"), plan=plan, cfg=cfg, **_USED_SLOTS_ONLY)
+    d_down_local, d_down_slots = gmm_dw(_swiglu(h), d_y)
     d_h = _swiglu_grad(h, d_act)                                    # [NvS, 2F]
     w_gate_up, d_h = lax.optimization_barrier((w_gate_up, d_h))
-    slots_gate_up = op("prefetch")(w_gate_up, plan, cfg)
+    slots_gate_up = prefetch(w_gate_up)
     d_recv_x = op("gmm_dx")(d_h, w_gate_up, slots_gate_up, plan, cfg)
-    d_gate_up_local, d_gate_up_slots = op("gmm_dw")(recv_x, d_h, plan, cfg)
+    d_gate_up_local, d_gate_up_slots = gmm_dw(recv_x, d_h)
 
     d_x = op("combine")(d_recv_x, plan, cfg)
     d_topk_w = op("combine_weights")(d_recv_w, plan, cfg)

@@ -224,6 +224,8 @@ def test_combine_weights_bitwise_equal_to_xla(mesh, seed, maxvio):
 @pytest.mark.parametrize("num_slots", [None, 3], ids=["B=epn", "B=3"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_prefetch_copies_home_weights_exactly(mesh, seed, num_slots, dtype):
+    from moonep_jax._cuda.comm import prefetch_impl
+
     R = mesh.devices.size
     cfgs = _configs(R, prefetch_slots=num_slots)
     epn = cfgs["xla"].epn
@@ -234,17 +236,21 @@ def test_prefetch_copies_home_weights_exactly(mesh, seed, num_slots, dtype):
     def per_rank(topk_idx, w_local):
         p = plan(topk_idx, cfgs["xla"])
         slots = {impl: prefetch(w_local, p, cfg) for impl, cfg in cfgs.items()}
+        # moe_ffn's variant: unused slots left unwritten (poisoned here), used ones exact.
+        slots["cuda_used_only"] = prefetch_impl(w_local, p, cfgs["cuda"], zero_unused_slots=False)
         return _stack((slots, p.experts_to_copy))
 
     _poison_allocator(mesh, 4 * w_local.size // R)
     slots, experts_to_copy = _per_rank(per_rank, mesh)(topk_idx, w_local)
     np.testing.assert_array_equal(np.asarray(slots["cuda"]), np.asarray(slots["xla"]))
     experts_to_copy = np.asarray(experts_to_copy)[0]  # the full table, the same on every rank
-    cuda_slots = np.asarray(slots["cuda"])
+    cuda_slots, used_only = np.asarray(slots["cuda"]), np.asarray(slots["cuda_used_only"])
     for r in range(R):
         for b, e in enumerate(experts_to_copy[r]):
             expected = w_local[e] if e >= 0 else np.zeros_like(w_local[0])
             np.testing.assert_array_equal(cuda_slots[r, b], expected)
+            if e >= 0:
+                np.testing.assert_array_equal(used_only[r, b], expected)
 
 
 @pytest.mark.parametrize("maxvio", (1.0, 20.0))

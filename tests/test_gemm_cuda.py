@@ -1,5 +1,7 @@
 """The CuTe DSL kernels (zero_rows, grouped GEMM forward / dX / dW) against jnp, on one GPU."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,6 +152,14 @@ def test_gmm_dw_matches_fp32_reference(seed, case, num_rows, d0, d1):
                 continue
             scale = np.sqrt(np.mean(expected ** 2)) + 1e-30
             assert np.abs(out - expected).max() <= 1e-3 * scale * max(1, cu_seqlens[g] - starts[g]) ** 0.5, g
+    # moe_ffn's variant leaves empty slots unwritten and must not change any written matrix.
+    used_local, used_slots = jax.jit(
+        functools.partial(grouped_matmul_dw, zero_empty_slots=False), static_argnums=(4, 5))(
+        x, dy, cu_seqlens, rank, EPN, EPN)
+    np.testing.assert_array_equal(np.asarray(used_local), np.asarray(dw_local))
+    slot_rows = cu_seqlens[NUM_EXPERTS:] - starts[NUM_EXPERTS:]
+    np.testing.assert_array_equal(np.asarray(used_slots)[slot_rows > 0],
+                                  np.asarray(dw_slots)[slot_rows > 0])
 
 
 def test_gmm_dw_refuses_inference_overflow_configs():

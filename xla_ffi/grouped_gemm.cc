@@ -148,7 +148,8 @@ ffi::Error GmmDxImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ff
 
 ffi::Error GmmDwImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> dy,
                      ffi::Buffer<ffi::S32> cu_seqlens, ffi::Buffer<ffi::S32> ep_rank,
-                     ffi::ResultBuffer<ffi::F32> dw_local, ffi::ResultBuffer<ffi::F32> dw_slots) {
+                     ffi::ResultBuffer<ffi::F32> dw_local, ffi::ResultBuffer<ffi::F32> dw_slots,
+                     int32_t zero_empty_slots) {
   constexpr const char* kTarget = "moonep_gmm_dw";
   auto xd = x.dimensions(), dyd = dy.dimensions(), wl = dw_local->dimensions();
   if (xd.size() != 2) return shape_error(kTarget, "x", "[NvS, D0]", xd);
@@ -175,6 +176,7 @@ ffi::Error GmmDwImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
       .num_local = static_cast<int32_t>(wl[0]),
       .num_slots = static_cast<int32_t>(ws[0]),
       .num_groups = static_cast<int32_t>(cu_seqlens.dimensions()[0]),
+      .zero_empty_slots = zero_empty_slots != 0,
   };
   if (cudaError_t e = moonep::launch_gmm_dw(params, stream); e != cudaSuccess)
     return cuda_error(kTarget, e);
@@ -211,4 +213,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmDw, GmmDwImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_seqlens [G]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // ep_rank [1]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dw_local [epn, D0, D1]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // dw_slots [B, D0, D1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dw_slots [B, D0, D1]
+                                  .Attr<int32_t>("zero_empty_slots"));

@@ -21,7 +21,7 @@ ffi::Error PrefetchExecute(cudaStream_t stream, int32_t device_ordinal, ffi::Any
                            ffi::Buffer<ffi::S32> experts_to_copy,
                            ffi::Result<ffi::AnyBuffer> w_slots,
                            ffi::Span<const int32_t> mesh_ordinals, int32_t num_ranks,
-                           int32_t num_sms, int64_t timeout_ns) {
+                           int32_t num_sms, int64_t timeout_ns, int32_t zero_unused_slots) {
   const auto w_dims = w_local.dimensions();
   if (w_dims.size() < 1 || w_dims[0] < 1)
     return shape_error(kOp, "w_local", "[epn, ...] with epn >= 1", w_dims);
@@ -54,6 +54,7 @@ ffi::Error PrefetchExecute(cudaStream_t stream, int32_t device_ordinal, ffi::Any
       .experts_per_rank = static_cast<int32_t>(epn),
       .num_slots = static_cast<int32_t>(B),
       .num_sms = num_sms,
+      .zero_unused_slots = zero_unused_slots != 0,
   };
   MOONEP_CUDA_RETURN_IF_ERROR(kOp, moonep::launch_prefetch(params, stream));
   return ffi::Error::Success();
@@ -71,5 +72,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepPrefetch, PrefetchExecute,
                                   .Attr<ffi::Span<const int32_t>>("mesh_ordinals")
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("num_sms")
-                                  .Attr<int64_t>("timeout_ns"),
+                                  .Attr<int64_t>("timeout_ns")
+                                  .Attr<int32_t>("zero_unused_slots"),
                               {ffi::Traits::kCmdBufferCompatible});

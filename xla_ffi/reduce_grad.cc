@@ -48,6 +48,13 @@ ffi::Error ReduceGradExecute(cudaStream_t stream, int32_t device_ordinal,
   if (!same_trailing_dims(g->dimensions(), epn, local_dims))
     return shape_error(kOp, "g", "g_local's " + dims_str(local_dims), g->dimensions());
 
+  // The kernel writes only the experts that receive contributions: the rest of `g` must already
+  // hold g_local (jax's ffi_call aliases them, input_output_aliases={0: 0}).
+  if (g->typed_data() != g_local.typed_data())
+    return ffi::Error::InvalidArgument(
+        std::string(kOp) + ": the result g must alias g_local (call it with "
+        "input_output_aliases={0: 0}, as moonep_jax._cuda.comm.reduce_grad_impl does)");
+
   auto group = moonep::group_view(device_ordinal, mesh_ordinals, num_ranks);
   if (group.has_error()) return group.error();
   group->timeout_ns = static_cast<uint64_t>(timeout_ns);

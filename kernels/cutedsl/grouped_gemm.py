@@ -19,7 +19,9 @@ TMA coordinates to matrix `mat`.
 Ragged K (dW): output matrix `j < epn` is local expert `home*epn + j` (group `home*epn + j`),
 `j >= epn` is slot `j - epn` (group `E + j - epn`); the K loop runs over the group's rows. The
 last K tile of a group also loads rows of the next group: they are zeroed in shared memory before
-the WGMMAs read it. An empty group runs no K tile and writes zeros.
+the WGMMAs read it. An empty group runs no K tile and writes zeros, except an empty slot group
+when `zero_empty_slots` is 0: it writes nothing (moe_ffn never reads an unused slot's gradient,
+and zeroing B = epn fp32 slot matrices costs more than the slots that hold rows).
 
 The CTA program is the plain Hopper one: a multi-stage TMA -> mbarrier pipeline whose loads are
 issued by warp 0, two consumer warpgroups of 64 x BN WGMMAs each, and an epilogue that stores
@@ -158,12 +160,13 @@ class GroupedGemm:
     @cute.jit
     def weight_grad(self, a: cute.Tensor, b: cute.Tensor, dw_local: cute.Tensor,
                     dw_slots: cute.Tensor, cu_seqlens: cute.Tensor, ep_rank: cute.Tensor,
-                    stream: cuda.CUstream):
+                    zero_empty_slots: cutlass.Int32, stream: cuda.CUstream):
         """`dw_*[j] = a[:, rows of group] . b[:, rows of group]^T` for every local expert and slot.
 
         `a [D0, NvS]` (x^T), `b [D1, NvS]` (dy^T), `dw_local [D0, D1, epn]`,
         `dw_slots [D0, D1, B]` fp32; `cu_seqlens [G]`; `ep_rank [1]` int32 (this rank, read on
-        the device: local expert j is group `ep_rank * epn + j`).
+        the device: local expert j is group `ep_rank * epn + j`); `zero_empty_slots` 0 leaves
+        the matrices of slots without rows unwritten.
         """
         self._setup(a, b)
         tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (TILE_M, TILE_K))
@@ -174,7 +177,8 @@ class GroupedGemm:
         num_mats = cute.size(dw_local, mode=[2]) + cute.size(dw_slots, mode=[2])
         self.weight_grad_kernel(
             self.tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, dw_local, dw_slots,
-            cu_seqlens, ep_rank, num_m_tiles, self.a_smem_staged, self.b_smem_staged,
+            cu_seqlens, ep_rank, zero_empty_slots, num_m_tiles, self.a_smem_staged,
+            self.b_smem_staged,
         ).launch(grid=(num_n_tiles, num_m_tiles * num_mats, 1), block=(self.num_threads, 1, 1),
                  stream=stream)
 
@@ -182,7 +186,8 @@ class GroupedGemm:
     def weight_grad_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
                            tma_b: cute.CopyAtom, mB: cute.Tensor, dw_local: cute.Tensor,
                            dw_slots: cute.Tensor, cu_seqlens: cute.Tensor,
-                           ep_rank: cute.Tensor, num_m_tiles: cutlass.Int32,
+                           ep_rank: cute.Tensor, zero_empty_slots: cutlass.Int32,
+                           num_m_tiles: cutlass.Int32,
                            a_smem_staged: cute.ComposedLayout,
                            b_smem_staged: cute.ComposedLayout):
         n_tile, mat_m_tile, _ = cute.arch.block_idx()
@@ -214,9 +219,13 @@ class GroupedGemm:
             gC = cute.local_tile(dw_local[None, None, mat], (TILE_M, TILE_N), (m_tile, n_tile))
             self.store(tiled_mma, accumulators, gC, cC, d0, d1)
         else:
+            rows_to_store = d0
+            if zero_empty_slots == 0:
+                if num_rows == 0:
+                    rows_to_store = 0  # an empty slot: its (zero) gradient is not written
             gC = cute.local_tile(dw_slots[None, None, mat - num_local], (TILE_M, TILE_N),
                                  (m_tile, n_tile))
-            self.store(tiled_mma, accumulators, gC, cC, d0, d1)
+            self.store(tiled_mma, accumulators, gC, cC, rows_to_store, d1)
 
     # ---- shared pieces ------------------------------------------------------------------------
 
@@ -416,7 +425,7 @@ def compile_dw(options: str):
     cu_seqlens = make_fake_compact_tensor(cutlass.Int32, (_dim(),), assumed_align=4)
     ep_rank = make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
     return cute.compile(gemm.weight_grad, x_t, dy_t, dw_local, dw_slots, cu_seqlens, ep_rank,
-                        make_fake_stream(), options=options)
+                        cutlass.Int32(1), make_fake_stream(), options=options)
 
 
 EXPORTS = {

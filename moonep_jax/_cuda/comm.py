@@ -86,16 +86,19 @@ def combine_weights_impl(recv_w: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Ar
         recv_w, plan.dst, **_transport_attrs(cfg))
 
 
-def prefetch_impl(w_local: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
+def prefetch_impl(w_local: jax.Array, plan: Plan, cfg: EPConfig, *,
+                  zero_unused_slots: bool = True) -> jax.Array:
     """Zero-copy prefetch: `w_local [epn, D0, D1]` -> `w_slots [B, D0, D1]`, pulled from the homes.
 
     `w_slots[b]` is exactly the home rank's weights of `experts_to_copy[rank, b]`; unused slots are
-    zero. One call copies one tensor (call it per projection).
+    zero, or left unwritten with `zero_unused_slots=False` (moe_ffn: its GEMMs read only used
+    slots, and zeroing B = epn slots costs more than the copies). One call copies one tensor.
     """
     _require_copyable("moonep_jax.prefetch", "w_local", w_local)
     w_slots = jax.typeof(w_local).update(shape=(cfg.num_slots,) + tuple(w_local.shape[1:]))
     return jax.ffi.ffi_call("moonep_prefetch", w_slots)(
-        w_local, plan.experts_to_copy, **_transport_attrs(cfg))
+        w_local, plan.experts_to_copy, zero_unused_slots=np.int32(zero_unused_slots),
+        **_transport_attrs(cfg))
 
 
 def reduce_grad_impl(g_local: jax.Array, g_slots: jax.Array, plan: Plan,

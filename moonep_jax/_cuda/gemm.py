@@ -98,15 +98,19 @@ def grouped_matmul_dx(dy, w_local, w_slots, cu_seqlens, ep_rank, transport: dict
                  transport)
 
 
-def grouped_matmul_dw(x, dy, cu_seqlens, ep_rank, num_local: int, num_slots: int):
-    """`(dw_local [epn, D0, D1], dw_slots [B, D0, D1])` fp32: `x_g^T dy_g` per local expert/slot."""
+def grouped_matmul_dw(x, dy, cu_seqlens, ep_rank, num_local: int, num_slots: int, *,
+                      zero_empty_slots: bool = True):
+    """`(dw_local [epn, D0, D1], dw_slots [B, D0, D1])` fp32: `x_g^T dy_g` per local expert/slot.
+
+    The matrices of slots without rows are zero, or left unwritten with `zero_empty_slots=False`.
+    """
     _check("moonep_gmm_dw", {"x": x, "dy": dy})
     aval = jax.typeof(x)
     d0, d1 = x.shape[1], dy.shape[1]
     return jax.ffi.ffi_call("moonep_gmm_dw", (
         aval.update(shape=(num_local, d0, d1), dtype=jnp.float32),
         aval.update(shape=(num_slots, d0, d1), dtype=jnp.float32),
-    ))(x, dy, cu_seqlens, ep_rank)
+    ))(x, dy, cu_seqlens, ep_rank, zero_empty_slots=np.int32(zero_empty_slots))
 
 
 def _ep_rank(cfg: EPConfig) -> jax.Array:
@@ -129,6 +133,9 @@ def gmm_dx_impl(dy, w_local, w_slots, plan: Plan, cfg: EPConfig):
                              _overflow_transport(cfg))
 
 
-def gmm_dw_impl(x, dy, plan: Plan, cfg: EPConfig):
+def gmm_dw_impl(x, dy, plan: Plan, cfg: EPConfig, *, zero_unused_slots: bool = True):
     _checks.check_trainable("gmm_dw_impl", cfg)
-    return grouped_matmul_dw(x, dy, plan.cu_seqlens, _ep_rank(cfg), cfg.epn, cfg.num_slots)
+    # Slots without rows are exactly the unused ones: the planner fills a slot only for an
+    # expert it allocates rows to (moonep_algorithm.md §3.4, alloc > 0).
+    return grouped_matmul_dw(x, dy, plan.cu_seqlens, _ep_rank(cfg), cfg.epn, cfg.num_slots,
+                             zero_empty_slots=zero_unused_slots)
