@@ -22,7 +22,8 @@ Reported per point: wall time per step (median of --reps after a warm-up, `block
 memory per device from the compiled executable's `memory_analysis()` (argument + output + temp
 bytes; `peak_bytes_in_use` cannot be reset between methods in one process); and the prefetch
 bandwidth of the moonep plan (bytes of the slowest rank's planned replica weights, gate_up and
-down, over the time of a jitted shard_map of the two prefetches alone).
+down, over the time of a jitted shard_map of the two prefetches alone), both as moe_ffn prefetches
+(unused slots left unwritten) and as the public `prefetch` (unused slots zeroed).
 
 Writes `<out>/bench_layer_<gpu>x<count>.json` and `.png` (`benchmarks/results` by default).
 `--quick` runs a tiny shape (CPU smoke test: there the CUDA GEMM of a2a_pad_gmm is replaced by
@@ -57,7 +58,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 import moonep_jax  # noqa: E402
-from moonep_jax import _ffi, routing  # noqa: E402
+from moonep_jax import _checks, _ffi, routing  # noqa: E402
 from moonep_jax.experts import prefetch  # noqa: E402
 from moonep_jax.layer import moe_ffn  # noqa: E402
 from moonep_jax.plan import plan  # noqa: E402
@@ -307,18 +308,26 @@ class Method:
 
 
 def prefetch_bandwidth(mesh, cfg, shape: Shape, topk_idx, w_gate_up, w_down, reps: int) -> dict:
-    """Planned replica bytes of the slowest rank over the time of the two prefetches alone."""
+    """Planned replica bytes of the slowest rank over the time of the two prefetches alone, as
+    moe_ffn runs them (unused slots left unwritten) and as the public `prefetch` does (unused
+    slots zeroed: B = epn slots of writes however few replicas the plan has)."""
     stacked = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     plans = jax.jit(stacked(lambda idx: plan(idx, cfg)))(topk_idx)
-    both = jax.jit(stacked(lambda wg, wd, p: (prefetch(wg, p, cfg), prefetch(wd, p, cfg))))
-    times = _common.time_calls(both, (w_gate_up, w_down, plans), reps)
     slots = np.asarray(plans.experts_to_copy).reshape(cfg.num_ranks, cfg.num_ranks, -1)
     used = np.array([(slots[r, r] >= 0).sum() for r in range(cfg.num_ranks)])
     expert_bytes = 2 * (shape.H * 2 * shape.F + shape.F * shape.H)
-    median = float(np.median(times))
-    return {"times_ms": times, "median_ms": median, "replicas_per_rank": used.tolist(),
-            "bytes_slowest_rank": int(used.max() * expert_bytes),
-            "gbps": float(used.max() * expert_bytes / (median * 1e-3) / 1e9)}
+    layer_prefetch = functools.partial(_checks.backend("prefetch", cfg), cfg=cfg,
+                                       zero_unused_slots=False)  # what moe_ffn calls
+    result = {"replicas_per_rank": used.tolist(),
+              "bytes_slowest_rank": int(used.max() * expert_bytes)}
+    for name, fn in (("layer", layer_prefetch),
+                     ("zero_unused", lambda w, p: prefetch(w, p, cfg))):
+        both = jax.jit(stacked(lambda wg, wd, p, fn=fn: (fn(wg, p), fn(wd, p))))
+        times = _common.time_calls(both, (w_gate_up, w_down, plans), reps)
+        median = float(np.median(times))
+        result[name] = {"times_ms": times, "median_ms": median,
+                        "gbps": float(used.max() * expert_bytes / (median * 1e-3) / 1e9)}
+    return result
 
 
 def watchdog(seconds: float, on_expire):
@@ -454,9 +463,12 @@ def main():
         method.compiled = None  # free the executable before the next method compiles
 
     for point in record["points"]:
-        if "prefetch" in point and "gbps" in point["prefetch"]:
-            print(f"maxvio {point['maxvio_target']:5.1f} prefetch "
-                  f"{point['prefetch']['median_ms']:.3f} ms {point['prefetch']['gbps']:.0f} GB/s")
+        for name in ("layer", "zero_unused"):
+            measured = point.get("prefetch", {}).get(name)
+            if measured:
+                print(f"maxvio {point['maxvio_target']:5.1f} prefetch ({name}) "
+                      f"{measured['median_ms']:.3f} ms {measured['gbps']:.0f} GB/s "
+                      f"replicas {point['prefetch']['replicas_per_rank']}")
     for out in outs:
         plot(record, out / f"{stem}.png")
     print(f"wrote {', '.join(str(o / stem) + '.json' for o in outs)}")

@@ -341,14 +341,13 @@ class GroupedGemm:
         """Zero K columns `>= first_invalid_k` of stage `stage` of both operand tiles."""
         tidx, _, _ = cute.arch.thread_idx()
         zero = self.ab_dtype(0.0)
-        for idx in cutlass.range(tidx, TILE_M * TILE_K, self.num_threads, unroll=1):
-            k = idx // TILE_M
-            if k >= first_invalid_k:
-                sA[idx % TILE_M, k, stage] = zero
-        for idx in cutlass.range(tidx, TILE_N * TILE_K, self.num_threads, unroll=1):
-            k = idx // TILE_N
-            if k >= first_invalid_k:
-                sB[idx % TILE_N, k, stage] = zero
+        # idx enumerates (row, k) with row fastest, so the invalid columns start at k * rows.
+        for idx in cutlass.range(first_invalid_k * TILE_M + tidx, TILE_M * TILE_K,
+                                 self.num_threads, unroll=1):
+            sA[idx % TILE_M, idx // TILE_M, stage] = zero
+        for idx in cutlass.range(first_invalid_k * TILE_N + tidx, TILE_N * TILE_K,
+                                 self.num_threads, unroll=1):
+            sB[idx % TILE_N, idx // TILE_N, stage] = zero
         # The WGMMAs read shared memory through the async proxy.
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
@@ -360,15 +359,25 @@ class GroupedGemm:
 
         Ragged M passes tile-relative rows (`cC` of tile 0) and the group's rows left in the tile;
         dW passes absolute coordinates and the matrix shape.
+
+        A thread's WGMMA accumulators come in pairs of adjacent columns; each pair is stored with
+        one vector store (64-bit fp32, 32-bit bf16) instead of two scalar ones. Pairs are aligned
+        and never straddle a limit: every column limit and row stride is a multiple of 8 elements
+        (`ALIGN_ELEMS`, checked by the launchers), and a pair starts at an even column.
         """
         tidx, _, _ = cute.arch.thread_idx()
         thr_mma = tiled_mma.get_slice(tidx)
-        tCgC = thr_mma.partition_C(gC)
-        tCcC = thr_mma.partition_C(cC)
-        for i in cutlass.range_constexpr(cute.size(accumulators)):
-            row, col = tCcC[i]
+        tCgC = cute.zipped_divide(thr_mma.partition_C(gC), (2,))  # ((pair), (pairs))
+        tCcC = cute.zipped_divide(thr_mma.partition_C(cC), (2,))
+        values = cute.make_rmem_tensor(accumulators.shape, gC.element_type)
+        values.store(accumulators.load().to(gC.element_type))
+        tCrC = cute.zipped_divide(values, (2,))
+        pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), gC.element_type,
+                                         num_bits_per_copy=2 * gC.element_type.width)
+        for j in cutlass.range_constexpr(cute.size(tCgC, mode=[1])):
+            row, col = tCcC[(0, j)]
             if row < row_limit and col < col_limit:
-                tCgC[i] = accumulators[i].to(gC.element_type)
+                cute.copy(pair_store, tCrC[(None, j)], tCgC[(None, j)])
 
 
 # ---- ahead-of-time compilation ------------------------------------------------------------------
@@ -418,9 +427,10 @@ def compile_dw(options: str):
     gemm = GroupedGemm(ragged_k=True)
     x_t = _bf16((_aligned_dim(), _dim()), (0, 1))
     dy_t = _bf16((_aligned_dim(), _dim()), (0, 1))
-    dw_local = make_fake_compact_tensor(cutlass.Float32, (_dim(), _dim(), _dim()),
+    # D1 (the row stride) divisible by 8: the epilogue's 64-bit pair stores are aligned.
+    dw_local = make_fake_compact_tensor(cutlass.Float32, (_dim(), _aligned_dim(), _dim()),
                                         stride_order=(1, 0, 2), assumed_align=16)
-    dw_slots = make_fake_compact_tensor(cutlass.Float32, (_dim(), _dim(), _dim()),
+    dw_slots = make_fake_compact_tensor(cutlass.Float32, (_dim(), _aligned_dim(), _dim()),
                                         stride_order=(1, 0, 2), assumed_align=16)
     cu_seqlens = make_fake_compact_tensor(cutlass.Int32, (_dim(),), assumed_align=4)
     ep_rank = make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
