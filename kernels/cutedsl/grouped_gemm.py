@@ -204,28 +204,32 @@ class GroupedGemm:
         num_rows = cu_seqlens[group] - row_start
         num_k_tiles = cute.ceil_div(num_rows, TILE_K)
 
-        gA = cute.local_tile(cute.domain_offset((0, row_start), mA), (TILE_M, TILE_K),
-                             (m_tile, None))
-        gB = cute.local_tile(cute.domain_offset((0, row_start), mB), (TILE_N, TILE_K),
-                             (n_tile, None))
-        accumulators = self.mainloop(tiled_mma, tma_a, gA, tma_b, gB, tma_b, gB, False,
-                                     num_k_tiles, num_rows, a_smem_staged, b_smem_staged)
-
-        d0 = cute.size(dw_local, mode=[0])
-        d1 = cute.size(dw_local, mode=[1])
-        cC = cute.local_tile(cute.make_identity_tensor((d0, d1)), (TILE_M, TILE_N),
-                             (m_tile, n_tile))
-        if mat < num_local:
-            gC = cute.local_tile(dw_local[None, None, mat], (TILE_M, TILE_N), (m_tile, n_tile))
-            self.store(tiled_mma, accumulators, gC, cC, d0, d1)
-        else:
-            rows_to_store = d0
-            if zero_empty_slots == 0:
+        # An empty slot whose matrix need not be zeroed has nothing to do: the CTA skips the
+        # pipeline setup too (B = epn slot matrices of a training layer, most of them empty).
+        has_work = 1
+        if zero_empty_slots == 0:
+            if mat >= num_local:
                 if num_rows == 0:
-                    rows_to_store = 0  # an empty slot: its (zero) gradient is not written
-            gC = cute.local_tile(dw_slots[None, None, mat - num_local], (TILE_M, TILE_N),
+                    has_work = 0
+        if has_work != 0:
+            gA = cute.local_tile(cute.domain_offset((0, row_start), mA), (TILE_M, TILE_K),
+                                 (m_tile, None))
+            gB = cute.local_tile(cute.domain_offset((0, row_start), mB), (TILE_N, TILE_K),
+                                 (n_tile, None))
+            accumulators = self.mainloop(tiled_mma, tma_a, gA, tma_b, gB, tma_b, gB, False,
+                                         num_k_tiles, num_rows, a_smem_staged, b_smem_staged)
+            d0 = cute.size(dw_local, mode=[0])
+            d1 = cute.size(dw_local, mode=[1])
+            cC = cute.local_tile(cute.make_identity_tensor((d0, d1)), (TILE_M, TILE_N),
                                  (m_tile, n_tile))
-            self.store(tiled_mma, accumulators, gC, cC, rows_to_store, d1)
+            if mat < num_local:
+                gC = cute.local_tile(dw_local[None, None, mat], (TILE_M, TILE_N),
+                                     (m_tile, n_tile))
+                self.store(tiled_mma, accumulators, gC, cC, d0, d1)
+            else:
+                gC = cute.local_tile(dw_slots[None, None, mat - num_local], (TILE_M, TILE_N),
+                                     (m_tile, n_tile))
+                self.store(tiled_mma, accumulators, gC, cC, d0, d1)
 
     # ---- shared pieces ------------------------------------------------------------------------
 
