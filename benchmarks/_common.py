@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import pathlib
 import subprocess
 import time
@@ -29,8 +30,11 @@ def time_calls(fn, args, reps: int) -> list[float]:
 
 
 def git_commit() -> str | None:
-    """The commit the code comes from: `git rev-parse HEAD`, else `.gpu/COMMIT` (the GPU machine
-    gets no git history; tools/gpu.sh writes the file at build time)."""
+    """The commit the code comes from: `$MOONEP_GIT_COMMIT` (tools/gpu.sh run sets it from
+    `.gpu/COMMIT`, written when the binary was built: the GPU machine's copy of the tree may hold
+    a stale `.git`), else `git rev-parse HEAD`, else `.gpu/COMMIT`."""
+    if os.environ.get("MOONEP_GIT_COMMIT"):
+        return os.environ["MOONEP_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               cwd=REPO, check=True).stdout.strip()

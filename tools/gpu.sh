@@ -32,6 +32,8 @@ run() {
   OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
   export PYTHONPATH="$PWD/.gpu:$PWD${PYTHONPATH:+:$PYTHONPATH}"
   export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
+  # The records' commit: the one the carried binary was built from (benchmarks/_common.py).
+  MOONEP_GIT_COMMIT=$(cat .gpu/COMMIT 2>/dev/null || true); export MOONEP_GIT_COMMIT
   { nvidia-smi; python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())";
     echo "commit $(cat .gpu/COMMIT 2>/dev/null || echo unknown)"; } > "$OUT/gpu_tests.log" 2>&1
   cat "$OUT/gpu_tests.log"
