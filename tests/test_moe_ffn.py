@@ -225,3 +225,42 @@ def test_weight_shapes_and_dtypes_are_checked(mesh_factory):
         trace_layer(cfg, mesh, weights(cfg, down_shape=(cfg.num_experts, H, F)))
     with pytest.raises(TypeError, match=r"`params\['w_gate_up'\]` must have the dtype of `x`"):
         trace_layer(cfg, mesh, weights(cfg, jnp.bfloat16))
+
+
+def test_layer_reads_no_unused_replica_slot(mesh_factory, seed, monkeypatch):
+    """moe_ffn asks prefetch and gmm_dw for used slots only (`zero_unused_slots=False`): here the
+    xla backends then fill every unused slot with NaN, a legal "unspecified", and the layer's
+    output and gradients must still match the dense reference."""
+    import inspect
+
+    from jax import lax
+
+    from moonep_jax import experts
+
+    poisoned_ops = []
+
+    def poisoning(backend):
+        def poisoned(*args, zero_unused_slots=True, **kwargs):
+            out = backend(*args, **kwargs)
+            if zero_unused_slots:
+                return out
+            poisoned_ops.append(backend.__name__)
+            bound = inspect.signature(backend).bind(*args, **kwargs).arguments
+            cfg = bound["cfg"]
+            used = bound["plan"].experts_to_copy[lax.axis_index(cfg.axis_name)] >= 0  # [B]
+            nan_unused = lambda s: jnp.where(used[:, None, None], s, jnp.nan)  # noqa: E731
+            return (out[0], nan_unused(out[1])) if isinstance(out, tuple) else nan_unused(out)
+
+        return poisoned
+
+    monkeypatch.setattr(experts, "_prefetch_xla", poisoning(experts._prefetch_xla))
+    monkeypatch.setattr(experts, "_gmm_dw_xla", poisoning(experts._gmm_dw_xla))
+    cfg = make_config(2, S=8, E=8)
+    args = inputs(seed, cfg)
+    assert_matches(jax.jit(ep_moe(cfg, mesh_factory(2))), dense_moe, args)
+    assert {"_prefetch_xla", "_gmm_dw_xla"} <= set(poisoned_ops)
+    # The routing must leave some slots unused and use some, or the poison proves nothing.
+    p = jax.jit(jax.shard_map(lambda idx: plan(idx, cfg).experts_to_copy, mesh=mesh_factory(2),
+                              in_specs=P("ep"), out_specs=P("ep")))(args[1])
+    slots = np.asarray(p)[:2]  # the full [R, B] table, rank 0's copy
+    assert (slots >= 0).any() and (slots < 0).any(), slots
