@@ -116,9 +116,13 @@ def main():
             sizes = group_sizes(maxvio, rng, m)
             cu = jnp.asarray(np.cumsum(sizes), jnp.int32)
             nonzero = sizes[sizes > 0]
+            # Every M tile holds rows of one group, so the forward and dX issue MMAs for
+            # m_tiles * TILE_M rows, of which only m are real.
+            m_tiles = int(np.sum(-(-sizes // gemm.TILE_M)))
             extra = {"maxvio_target": maxvio, "num_groups": int(len(sizes)),
-                     "max_group": int(sizes.max()),
-                     "group_skew_measured": float(nonzero.max() / nonzero.mean() - 1)}
+                     "nonempty_groups": int(len(nonzero)), "max_group": int(sizes.max()),
+                     "group_skew_measured": float(nonzero.max() / nonzero.mean() - 1),
+                     "m_tiles": m_tiles, "useful_row_fraction": m / (m_tiles * gemm.TILE_M)}
             fwd = jax.jit(gemm.grouped_matmul)
             dx = jax.jit(gemm.grouped_matmul_dx)
             dw = jax.jit(gemm.grouped_matmul_dw, static_argnums=(4, 5))
