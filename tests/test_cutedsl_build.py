@@ -111,3 +111,10 @@ def test_gemm_sass_uses_hgmma_and_tma(aot_dir):
         assert sass.count("HGMMA") > 0, prefix
         assert sass.count("UTMALDG") > 0, prefix
         assert "LDL" not in sass and "STL" not in sass, f"{prefix} spills to local memory"
+        # A K tile's WGMMAs issue back to back and one wait follows them. A wait between two of
+        # them means ptxas serialised every WGMMA (C7514: an accumulator read while one was in
+        # flight), which cost the forward and dX about half their throughput.
+        lines = [line for line in sass.splitlines() if "HGMMA" in line or "WARPGROUP.DEPBAR" in line]
+        hgmma = [i for i, line in enumerate(lines) if "HGMMA" in line]
+        between = [line.strip() for line in lines[hgmma[0]:hgmma[-1]] if "DEPBAR" in line]
+        assert not between, f"{prefix}: WGMMAs serialised by {between[0]}"

@@ -311,8 +311,14 @@ class GroupedGemm:
                 coord = (None, None, k_block, consumer_read.index)
                 cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
             cute.nvgpu.warpgroup.commit_group()
-            # Keep one K tile of WGMMAs in flight; the one before it is done with its stage.
-            cute.nvgpu.warpgroup.wait_group(1)
+            # Keep one K tile of WGMMAs in flight (the one before it is done with its stage), and
+            # none once the loop ends: the compiler may move the epilogue's reads of the
+            # accumulators (the bf16 conversion) to the loop exit, and a read while a WGMMA is in
+            # flight makes ptxas serialise every WGMMA of the kernel (C7514).
+            if k_tile + 1 < num_k_tiles:
+                cute.nvgpu.warpgroup.wait_group(1)
+            else:
+                cute.nvgpu.warpgroup.wait_group(0)
             if k_tile > 0:
                 ab_pipeline.consumer_release(consumer_release)
                 consumer_release.advance()
@@ -321,7 +327,6 @@ class GroupedGemm:
                                      tma_b_alt, tBgB_alt, tBsB_alt, use_alt_b)
                     producer.advance()
             consumer_read.advance()
-        cute.nvgpu.warpgroup.wait_group(0)
         return accumulators
 
     @cute.jit
