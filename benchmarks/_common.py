@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import subprocess
+import threading
 import time
 
 import jax
@@ -83,3 +84,31 @@ def pyplot():
         print("matplotlib not importable: no plot")
         return None
     return plt
+
+
+def plot_vs_maxvio(ax, points: list[dict], keep, ylabel: str, title: str) -> None:
+    """On `ax`, one line per method: the median ms of the results `keep(result)` selects, against
+    the point's maxvio target, both axes logarithmic."""
+    by_method: dict[str, list] = {}
+    for point in points:
+        for r in point["results"]:
+            if r["status"] == "ok" and keep(r):
+                by_method.setdefault(r["method"], []).append((point["maxvio_target"],
+                                                              r["median_ms"]))
+    for method, values in sorted(by_method.items()):
+        ax.plot(*zip(*values), marker="o", label=method)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("maxvio")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=8)
+    ax.legend()
+
+
+def watchdog(seconds: float, on_expire) -> threading.Timer:
+    """A started daemon timer calling `on_expire` after `seconds` unless cancelled: a hung
+    collective cannot be cancelled, so the callback records the hang and exits the process."""
+    timer = threading.Timer(seconds, on_expire)
+    timer.daemon = True
+    timer.start()
+    return timer

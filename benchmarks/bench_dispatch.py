@@ -31,7 +31,6 @@ import json
 import os
 import pathlib
 import sys
-import threading
 import time
 
 import jax
@@ -274,8 +273,7 @@ def run_with_watchdog(name: str, fn, on_point, point) -> dict:
               flush=True)
         os._exit(0)  # a hung collective cannot be cancelled
 
-    timer = threading.Timer(RAGGED_TIMEOUT_S, expire)
-    timer.start()
+    timer = _common.watchdog(RAGGED_TIMEOUT_S, expire)
     try:
         return fn()
     finally:
@@ -291,20 +289,8 @@ def plot(record: dict, path: pathlib.Path) -> None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, op in zip(axes, ("plan", "dispatch", "combine")):
-        by_method: dict[str, list] = {}
-        for point in record["points"]:
-            for r in point["results"]:
-                if r["op"] == op and r["status"] == "ok":
-                    by_method.setdefault(r["method"], []).append(
-                        (point["maxvio_target"], r["median_ms"]))
-        for method, values in sorted(by_method.items()):
-            ax.plot(*zip(*values), marker="o", label=method)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("maxvio")
-        ax.set_ylabel("ms per call")
-        ax.set_title(op)
-        ax.legend()
+        _common.plot_vs_maxvio(ax, record["points"], lambda r, op=op: r["op"] == op,
+                               "ms per call", op)
     fig.suptitle(f"{record['device_kind']} x{record['num_devices']}, {record['shape']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -40,7 +40,6 @@ import functools
 import os
 import pathlib
 import sys
-import threading
 import time
 
 # The weights, their replicas and fp32 gradients of the record shape at EP=2 need most of an
@@ -330,13 +329,6 @@ def prefetch_bandwidth(mesh, cfg, shape: Shape, topk_idx, w_gate_up, w_down, rep
     return result
 
 
-def watchdog(seconds: float, on_expire):
-    timer = threading.Timer(seconds, on_expire)
-    timer.daemon = True
-    timer.start()
-    return timer
-
-
 # ---- record and plot ----------------------------------------------------------------------------
 
 
@@ -345,21 +337,9 @@ def plot(record: dict, path: pathlib.Path) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    by_method: dict[str, list] = {}
-    for point in record["points"]:
-        for r in point["results"]:
-            if r["status"] == "ok":
-                by_method.setdefault(r["method"], []).append((point["maxvio_target"],
-                                                              r["median_ms"]))
-    for method, values in sorted(by_method.items()):
-        ax.plot(*zip(*values), marker="o", label=method)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("maxvio")
-    ax.set_ylabel("ms per forward + backward")
-    ax.set_title(f"MoE layer, {record['device_kind']} x{record['num_devices']}, "
-                 f"{record['shape']}", fontsize=8)
-    ax.legend()
+    _common.plot_vs_maxvio(ax, record["points"], lambda r: True, "ms per forward + backward",
+                           f"MoE layer, {record['device_kind']} x{record['num_devices']}, "
+                           f"{record['shape']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -452,7 +432,7 @@ def main():
                 print(f"{method.name}: hung; record written, exiting", flush=True)
                 os._exit(0)  # a hung collective cannot be cancelled
 
-            timer = watchdog(RAGGED_HANG_S + method.budget_s, expire)
+            timer = _common.watchdog(RAGGED_HANG_S + method.budget_s, expire)
             result = method.run((x, topk_idx, topk_w, w_gate_up, w_down, d_out), args.reps)
             timer.cancel()
             point["results"].append(result)
