@@ -9,7 +9,8 @@
 # gpu_tests.log (environment + pytest), benchmarks.log, and each benchmark's JSON record (+ PNG)
 # (benchmarks/<name>.py --out $OUT).
 # BENCH names are benchmark scripts without .py (bench_dispatch, bench_gemm, bench_layer) and may
-# carry arguments after a colon: bench_dispatch:--quick.
+# carry arguments after a colon: bench_dispatch:--quick. GPU_STOP_ON_FAIL=1 skips the benchmarks
+# when a test failed (a kernel under test that hangs would otherwise hang every benchmark too).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,6 +43,10 @@ run() {
   timeout "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -v -rs --tb=short --durations=20 \
     ${GPU_TEST_ARGS:-tests} \
     2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
+  if [ "$status" != 0 ] && [ "${GPU_STOP_ON_FAIL:-0}" = 1 ]; then
+    echo "== tests failed: benchmarks skipped (GPU_STOP_ON_FAIL=1)" | tee -a "$OUT/benchmarks.log"
+    return $status
+  fi
   for spec in "$@"; do
     local name=${spec%%:*} args=""
     [ "$spec" != "$name" ] && args=${spec#*:}
