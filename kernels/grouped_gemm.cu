@@ -339,6 +339,13 @@ T matrix(const void* data, int32_t rows, int32_t cols, bool transposed) {
   return t;
 }
 
+// The persistent kernels run one CTA per SM of the current device (use_stream_device set it).
+cudaError_t persistent_ctas(int32_t* ctas) {
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  return cudaDeviceGetAttribute(ctas, cudaDevAttrMultiProcessorCount, device);
+}
+
 }  // namespace
 
 cudaError_t load_grouped_gemm() {
@@ -370,6 +377,8 @@ cudaError_t launch_gmm_rows(const GmmRowsParams& p, cudaStream_t stream) {
       return e;
   }
   const int32_t stacked_local = p.num_local * p.d0, stacked_slots = p.num_slots * p.d0;
+  int32_t ctas = 0;
+  if (cudaError_t e = persistent_ctas(&ctas); e != cudaSuccess) return e;
   int32_t status = 0;
   if (p.op == GmmRowsOp::kForward) {
     // B = W in (N, K) orientation: the (D1, mats*D0) view of row-major [mats*D0, D1].
@@ -379,7 +388,7 @@ cudaError_t launch_gmm_rows(const GmmRowsParams& p, cudaStream_t stream) {
     auto c = matrix<moonep_gmm_fwd_Tensor_c_t>(p.out, p.num_rows, p.d1, false);
     moonep_gmm_fwd_Tensor_tile_table_t table = {p.tile_table, {max_tiles}};
     status = cute_dsl_moonep_gmm_fwd_wrapper(fwd_module().get(), &a, &b_local, &b_slots, &c,
-                                             &table, p.d0, stream);
+                                             &table, p.d0, ctas, stream);
   } else {
     // B = W^T in (N, K) orientation: the (mats*D0, D1) view of row-major [mats*D0, D1].
     auto a = matrix<moonep_gmm_dx_Tensor_a_t>(p.in, p.num_rows, p.d1, false);
@@ -388,7 +397,7 @@ cudaError_t launch_gmm_rows(const GmmRowsParams& p, cudaStream_t stream) {
     auto c = matrix<moonep_gmm_dx_Tensor_c_t>(p.out, p.num_rows, p.d0, false);
     moonep_gmm_dx_Tensor_tile_table_t table = {p.tile_table, {max_tiles}};
     status = cute_dsl_moonep_gmm_dx_wrapper(dx_module().get(), &a, &b_local, &b_slots, &c,
-                                            &table, p.d0, stream);
+                                            &table, p.d0, ctas, stream);
   }
   if (status != 0) return static_cast<cudaError_t>(status);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
@@ -414,9 +423,11 @@ cudaError_t launch_gmm_dw(const GmmDwParams& p, cudaStream_t stream) {
                                               {p.d1, mat_stride}};
   moonep_gmm_dw_Tensor_cu_seqlens_t cu = {const_cast<int32_t*>(p.cu_seqlens), {p.num_groups}};
   moonep_gmm_dw_Tensor_ep_rank_t rank = {const_cast<int32_t*>(p.ep_rank)};
+  int32_t ctas = 0;
+  if (cudaError_t e = persistent_ctas(&ctas); e != cudaSuccess) return e;
   const int32_t status = cute_dsl_moonep_gmm_dw_wrapper(dw_module().get(), &a, &b, &dw_local,
                                                         &dw_slots, &cu, &rank,
-                                                        p.zero_empty_slots ? 1 : 0, stream);
+                                                        p.zero_empty_slots ? 1 : 0, ctas, stream);
   if (status != 0) return static_cast<cudaError_t>(status);
   return cudaGetLastError();
 }

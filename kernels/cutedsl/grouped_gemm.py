@@ -23,9 +23,11 @@ the WGMMAs read it. An empty group runs no K tile and writes zeros, except an em
 when `zero_empty_slots` is 0: it writes nothing (moe_ffn never reads an unused slot's gradient,
 and zeroing B = epn fp32 slot matrices costs more than the slots that hold rows).
 
-The CTA program is the plain Hopper one: a multi-stage TMA -> mbarrier pipeline whose loads are
-issued by warp 0, two consumer warpgroups of 64 x BN WGMMAs each, and an epilogue that stores
-accumulators straight from registers with row/column predicates.
+The CTA program is persistent and warp-specialised: one CTA per SM walks the work items (tiles)
+with a grid stride; warp 0 of warp group 0 (registers given back) issues the TMA loads of every
+item into a multi-stage mbarrier ring and runs ahead into the next item, while warp groups 1 and 2
+(64 x BN WGMMAs each) consume the stages and store the accumulators straight from registers with
+row/column predicates, so one item's epilogue overlaps the next item's loads.
 """
 
 import cuda.bindings.driver as cuda
@@ -44,6 +46,12 @@ TABLE_COLUMNS = 4
 STACK_ALONG_N, STACK_ALONG_K = 0, 1
 # Each stride and dimension that TMA sees must be a multiple of 16 bytes = 8 bf16.
 ALIGN_ELEMS = 8
+# Warp specialisation: warp group 0 loads (one warp issues TMA), warp groups 1 and 2 compute.
+THREADS_PER_GROUP = 128
+WARPS_PER_GROUP = THREADS_PER_GROUP // 32
+NUM_CONSUMER_THREADS = 2 * THREADS_PER_GROUP
+PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 * 40 + 256 * 232 <= 64K registers per SM
+CONSUMER_BARRIER = 1  # named barrier of the consumer warp groups (0 is __syncthreads)
 
 
 class GroupedGemm:
@@ -54,7 +62,7 @@ class GroupedGemm:
         self.stack_mode = stack_mode
         self.tile_mnk = (TILE_M, TILE_N, TILE_K)
         self.atom_layout_mnk = (2, 1, 1)  # two consumer warpgroups, 64 rows each
-        self.num_threads = 256
+        self.num_threads = THREADS_PER_GROUP + NUM_CONSUMER_THREADS
         self.acc_dtype = cutlass.Float32
         self.buffer_align_bytes = 1024
 
@@ -96,11 +104,13 @@ class GroupedGemm:
 
     @cute.jit
     def rows(self, a: cute.Tensor, b_local: cute.Tensor, b_slots: cute.Tensor, c: cute.Tensor,
-             tile_table: cute.Tensor, mat_extent: cutlass.Int32, stream: cuda.CUstream):
+             tile_table: cute.Tensor, mat_extent: cutlass.Int32, num_ctas: cutlass.Int32,
+             stream: cuda.CUstream):
         """`c[rows of tile] = a[rows] . B_mat^T` for every tile of `tile_table`.
 
         `a [M, K]`, `b_* [N_b, K_b]` (the stacked weights in (N, K) orientation), `c [M, N]`;
-        `mat_extent` is the size of one stacked matrix along `self.stack_mode`.
+        `mat_extent` is the size of one stacked matrix along `self.stack_mode`; `num_ctas`
+        persistent CTAs (one per SM) share the (table tile, N tile) work items.
         """
         self._setup(a, b_local)
         tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (TILE_M, TILE_K))
@@ -109,33 +119,32 @@ class GroupedGemm:
         tma_b_slots, tma_tensor_b_slots = self._tma_load(
             b_slots, self.b_smem_staged, (TILE_N, TILE_K))
         self.shared_storage = self._shared_storage()
-        num_n_tiles = cute.ceil_div(cute.size(c, mode=[1]), TILE_N)
-        num_table_tiles = cute.size(tile_table, mode=[0])
+        num_items = cute.ceil_div(cute.size(c, mode=[1]), TILE_N) * cute.size(tile_table,
+                                                                              mode=[0])
         self.rows_kernel(
             self.tiled_mma, tma_a, tma_tensor_a, tma_b_local, tma_tensor_b_local, tma_b_slots,
             tma_tensor_b_slots, c, tile_table, mat_extent, self.a_smem_staged,
             self.b_smem_staged,
-        ).launch(grid=(num_n_tiles, num_table_tiles, 1), block=(self.num_threads, 1, 1),
+        ).launch(grid=(cutlass.min(num_ctas, num_items), 1, 1), block=(self.num_threads, 1, 1),
                  stream=stream)
 
-    @cute.kernel
-    def rows_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
-                    tma_b_local: cute.CopyAtom, mB_local: cute.Tensor,
-                    tma_b_slots: cute.CopyAtom, mB_slots: cute.Tensor, mC: cute.Tensor,
-                    tile_table: cute.Tensor, mat_extent: cutlass.Int32,
-                    a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout):
-        n_tile, table_idx, _ = cute.arch.block_idx()
+    @cute.jit
+    def rows_item(self, item: cutlass.Int32, mA: cute.Tensor, mB_local: cute.Tensor,
+                  mB_slots: cute.Tensor, mC: cute.Tensor, tile_table: cute.Tensor,
+                  mat_extent: cutlass.Int32):
+        """Work item -> (kind, row_start, row_end, K tiles, gA, gB_local, gB_slots, n_tile)."""
+        num_n_tiles = cute.ceil_div(cute.size(mC, mode=[1]), TILE_N)
+        n_tile = item % num_n_tiles
+        table_idx = item // num_n_tiles
         kind = tile_table[table_idx, 0]
         row_start = tile_table[table_idx, 1]
         row_end = tile_table[table_idx, 2]
         mat = tile_table[table_idx, 3]
-        is_product = kind < KIND_ZERO
         num_k_tiles = cute.ceil_div(cute.size(mA, mode=[1]), TILE_K)
-        if not is_product:
+        if kind >= KIND_ZERO:
             num_k_tiles = 0
         if kind == KIND_UNUSED:
             row_end = row_start
-
         gA = cute.local_tile(cute.domain_offset((row_start, 0), mA), (TILE_M, TILE_K), (0, None))
         if cutlass.const_expr(self.stack_mode == STACK_ALONG_K):
             offset = (0, mat * mat_extent)
@@ -145,54 +154,96 @@ class GroupedGemm:
                                    (n_tile, None))
         gB_slots = cute.local_tile(cute.domain_offset(offset, mB_slots), (TILE_N, TILE_K),
                                    (n_tile, None))
-        accumulators = self.mainloop(
-            tiled_mma, tma_a, gA, tma_b_local, gB_local, tma_b_slots, gB_slots, kind == KIND_SLOT,
-            num_k_tiles, num_k_tiles * TILE_K, a_smem_staged, b_smem_staged)
+        return kind, row_start, row_end, num_k_tiles, gA, gB_local, gB_slots, n_tile
 
-        # Store rows [row_start, row_end) of this tile; columns < N (and < D0 for dX).
-        num_cols = cute.size(mC, mode=[1])
-        gC = cute.local_tile(cute.domain_offset((row_start, 0), mC), (TILE_M, TILE_N), (0, n_tile))
-        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), (TILE_M, TILE_N), (0, n_tile))
-        self.store(tiled_mma, accumulators, gC, cC, row_end - row_start, num_cols)
+    @cute.kernel
+    def rows_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
+                    tma_b_local: cute.CopyAtom, mB_local: cute.Tensor,
+                    tma_b_slots: cute.CopyAtom, mB_slots: cute.Tensor, mC: cute.Tensor,
+                    tile_table: cute.Tensor, mat_extent: cutlass.Int32,
+                    a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout):
+        ab_pipeline, sA, sB = self.make_pipeline(a_smem_staged, b_smem_staged)
+        num_items = cute.ceil_div(cute.size(mC, mode=[1]), TILE_N) * cute.size(tile_table,
+                                                                              mode=[0])
+        first_item, _, _ = cute.arch.block_idx()
+        item_stride, _, _ = cute.arch.grid_dim()
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx < WARPS_PER_GROUP:
+            cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
+            if warp_idx == 0:
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_b_local)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_b_slots)
+                producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                        self.num_stages)
+                for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
+                    kind, _, _, num_k_tiles, gA, gB_local, gB_slots, _ = self.rows_item(
+                        item, mA, mB_local, mB_slots, mC, tile_table, mat_extent)
+                    if kind == KIND_SLOT:
+                        producer = self.load(ab_pipeline, producer, tma_a, gA, sA, tma_b_slots,
+                                             gB_slots, sB, num_k_tiles)
+                    else:
+                        producer = self.load(ab_pipeline, producer, tma_a, gA, sA, tma_b_local,
+                                             gB_local, sB, num_k_tiles)
+                ab_pipeline.producer_tail(producer)
+        else:
+            cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
+            thread = tidx - THREADS_PER_GROUP
+            tCrA, tCrB, accumulators, read, release = self.consumer_setup(tiled_mma, sA, sB,
+                                                                          thread)
+            for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
+                kind, row_start, row_end, num_k_tiles, _, _, _, n_tile = self.rows_item(
+                    item, mA, mB_local, mB_slots, mC, tile_table, mat_extent)
+                read, release = self.consume(ab_pipeline, read, release, tiled_mma, tCrA, tCrB,
+                                             accumulators, sA, sB, num_k_tiles,
+                                             num_k_tiles * TILE_K, thread)
+                # Store rows [row_start, row_end) of this tile; columns < N (and < D0 for dX).
+                gC = cute.local_tile(cute.domain_offset((row_start, 0), mC), (TILE_M, TILE_N),
+                                     (0, n_tile))
+                cC = cute.local_tile(cute.make_identity_tensor(mC.shape), (TILE_M, TILE_N),
+                                     (0, n_tile))
+                self.store(tiled_mma, thread, accumulators, gC, cC, row_end - row_start,
+                           cute.size(mC, mode=[1]))
 
     # ---- ragged K: dW -------------------------------------------------------------------------
 
     @cute.jit
     def weight_grad(self, a: cute.Tensor, b: cute.Tensor, dw_local: cute.Tensor,
                     dw_slots: cute.Tensor, cu_seqlens: cute.Tensor, ep_rank: cute.Tensor,
-                    zero_empty_slots: cutlass.Int32, stream: cuda.CUstream):
+                    zero_empty_slots: cutlass.Int32, num_ctas: cutlass.Int32,
+                    stream: cuda.CUstream):
         """`dw_*[j] = a[:, rows of group] . b[:, rows of group]^T` for every local expert and slot.
 
         `a [D0, NvS]` (x^T), `b [D1, NvS]` (dy^T), `dw_local [D0, D1, epn]`,
         `dw_slots [D0, D1, B]` fp32; `cu_seqlens [G]`; `ep_rank [1]` int32 (this rank, read on
         the device: local expert j is group `ep_rank * epn + j`); `zero_empty_slots` 0 leaves
-        the matrices of slots without rows unwritten.
+        the matrices of slots without rows unwritten; `num_ctas` persistent CTAs share the
+        (matrix, M tile, N tile) work items.
         """
         self._setup(a, b)
         tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (TILE_M, TILE_K))
         tma_b, tma_tensor_b = self._tma_load(b, self.b_smem_staged, (TILE_N, TILE_K))
         self.shared_storage = self._shared_storage()
-        num_m_tiles = cute.ceil_div(cute.size(dw_local, mode=[0]), TILE_M)
-        num_n_tiles = cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N)
-        num_mats = cute.size(dw_local, mode=[2]) + cute.size(dw_slots, mode=[2])
+        num_items = (cute.ceil_div(cute.size(dw_local, mode=[0]), TILE_M)
+                     * cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N)
+                     * (cute.size(dw_local, mode=[2]) + cute.size(dw_slots, mode=[2])))
         self.weight_grad_kernel(
             self.tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, dw_local, dw_slots,
-            cu_seqlens, ep_rank, zero_empty_slots, num_m_tiles, self.a_smem_staged,
-            self.b_smem_staged,
-        ).launch(grid=(num_n_tiles, num_m_tiles * num_mats, 1), block=(self.num_threads, 1, 1),
+            cu_seqlens, ep_rank, zero_empty_slots, self.a_smem_staged, self.b_smem_staged,
+        ).launch(grid=(cutlass.min(num_ctas, num_items), 1, 1), block=(self.num_threads, 1, 1),
                  stream=stream)
 
-    @cute.kernel
-    def weight_grad_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
-                           tma_b: cute.CopyAtom, mB: cute.Tensor, dw_local: cute.Tensor,
-                           dw_slots: cute.Tensor, cu_seqlens: cute.Tensor,
-                           ep_rank: cute.Tensor, zero_empty_slots: cutlass.Int32,
-                           num_m_tiles: cutlass.Int32,
-                           a_smem_staged: cute.ComposedLayout,
-                           b_smem_staged: cute.ComposedLayout):
-        n_tile, mat_m_tile, _ = cute.arch.block_idx()
-        mat = mat_m_tile // num_m_tiles
-        m_tile = mat_m_tile % num_m_tiles
+    @cute.jit
+    def weight_grad_item(self, item: cutlass.Int32, mA: cute.Tensor, mB: cute.Tensor,
+                         dw_local: cute.Tensor, dw_slots: cute.Tensor, cu_seqlens: cute.Tensor,
+                         ep_rank: cute.Tensor, zero_empty_slots: cutlass.Int32):
+        """Work item -> (has_work, mat, m_tile, n_tile, rows, K tiles, gA, gB)."""
+        num_m_tiles = cute.ceil_div(cute.size(dw_local, mode=[0]), TILE_M)
+        num_n_tiles = cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N)
+        n_tile = item % num_n_tiles
+        m_tile = (item // num_n_tiles) % num_m_tiles
+        mat = item // (num_n_tiles * num_m_tiles)
         num_local = cute.size(dw_local, mode=[2])
         num_experts = cute.size(cu_seqlens, mode=[0]) - cute.size(dw_slots, mode=[2])
         group = ep_rank[0] * num_local + mat
@@ -202,54 +253,81 @@ class GroupedGemm:
         if group > 0:
             row_start = cu_seqlens[group - 1]
         num_rows = cu_seqlens[group] - row_start
-        num_k_tiles = cute.ceil_div(num_rows, TILE_K)
-
-        # An empty slot whose matrix need not be zeroed has nothing to do: the CTA skips the
-        # pipeline setup too (B = epn slot matrices of a training layer, most of them empty).
+        # An empty slot whose matrix need not be zeroed has nothing to do.
         has_work = 1
         if zero_empty_slots == 0:
             if mat >= num_local:
                 if num_rows == 0:
                     has_work = 0
-        if has_work != 0:
-            gA = cute.local_tile(cute.domain_offset((0, row_start), mA), (TILE_M, TILE_K),
-                                 (m_tile, None))
-            gB = cute.local_tile(cute.domain_offset((0, row_start), mB), (TILE_N, TILE_K),
-                                 (n_tile, None))
-            accumulators = self.mainloop(tiled_mma, tma_a, gA, tma_b, gB, tma_b, gB, False,
-                                         num_k_tiles, num_rows, a_smem_staged, b_smem_staged)
+        gA = cute.local_tile(cute.domain_offset((0, row_start), mA), (TILE_M, TILE_K),
+                             (m_tile, None))
+        gB = cute.local_tile(cute.domain_offset((0, row_start), mB), (TILE_N, TILE_K),
+                             (n_tile, None))
+        return (has_work, mat, m_tile, n_tile, num_rows, cute.ceil_div(num_rows, TILE_K), gA,
+                gB)
+
+    @cute.kernel
+    def weight_grad_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
+                           tma_b: cute.CopyAtom, mB: cute.Tensor, dw_local: cute.Tensor,
+                           dw_slots: cute.Tensor, cu_seqlens: cute.Tensor,
+                           ep_rank: cute.Tensor, zero_empty_slots: cutlass.Int32,
+                           a_smem_staged: cute.ComposedLayout,
+                           b_smem_staged: cute.ComposedLayout):
+        ab_pipeline, sA, sB = self.make_pipeline(a_smem_staged, b_smem_staged)
+        num_items = (cute.ceil_div(cute.size(dw_local, mode=[0]), TILE_M)
+                     * cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N)
+                     * (cute.size(dw_local, mode=[2]) + cute.size(dw_slots, mode=[2])))
+        first_item, _, _ = cute.arch.block_idx()
+        item_stride, _, _ = cute.arch.grid_dim()
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx < WARPS_PER_GROUP:
+            cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
+            if warp_idx == 0:
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+                producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                        self.num_stages)
+                for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
+                    has_work, _, _, _, _, num_k_tiles, gA, gB = self.weight_grad_item(
+                        item, mA, mB, dw_local, dw_slots, cu_seqlens, ep_rank, zero_empty_slots)
+                    if has_work != 0:
+                        producer = self.load(ab_pipeline, producer, tma_a, gA, sA, tma_b, gB, sB,
+                                             num_k_tiles)
+                ab_pipeline.producer_tail(producer)
+        else:
+            cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
+            thread = tidx - THREADS_PER_GROUP
+            tCrA, tCrB, accumulators, read, release = self.consumer_setup(tiled_mma, sA, sB,
+                                                                          thread)
             d0 = cute.size(dw_local, mode=[0])
             d1 = cute.size(dw_local, mode=[1])
-            cC = cute.local_tile(cute.make_identity_tensor((d0, d1)), (TILE_M, TILE_N),
-                                 (m_tile, n_tile))
-            if mat < num_local:
-                gC = cute.local_tile(dw_local[None, None, mat], (TILE_M, TILE_N),
-                                     (m_tile, n_tile))
-                self.store(tiled_mma, accumulators, gC, cC, d0, d1)
-            else:
-                gC = cute.local_tile(dw_slots[None, None, mat - num_local], (TILE_M, TILE_N),
-                                     (m_tile, n_tile))
-                self.store(tiled_mma, accumulators, gC, cC, d0, d1)
+            num_local = cute.size(dw_local, mode=[2])
+            for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
+                has_work, mat, m_tile, n_tile, num_rows, num_k_tiles, _, _ = (
+                    self.weight_grad_item(item, mA, mB, dw_local, dw_slots, cu_seqlens, ep_rank,
+                                          zero_empty_slots))
+                if has_work != 0:
+                    read, release = self.consume(ab_pipeline, read, release, tiled_mma, tCrA,
+                                                 tCrB, accumulators, sA, sB, num_k_tiles,
+                                                 num_rows, thread)
+                    cC = cute.local_tile(cute.make_identity_tensor((d0, d1)), (TILE_M, TILE_N),
+                                         (m_tile, n_tile))
+                    if mat < num_local:
+                        gC = cute.local_tile(dw_local[None, None, mat], (TILE_M, TILE_N),
+                                             (m_tile, n_tile))
+                        self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
+                    else:
+                        gC = cute.local_tile(dw_slots[None, None, mat - num_local],
+                                             (TILE_M, TILE_N), (m_tile, n_tile))
+                        self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
 
     # ---- shared pieces ------------------------------------------------------------------------
 
     @cute.jit
-    def mainloop(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, gA: cute.Tensor,
-                 tma_b: cute.CopyAtom, gB: cute.Tensor, tma_b_alt: cute.CopyAtom,
-                 gB_alt: cute.Tensor, use_alt_b: cutlass.Boolean, num_k_tiles: cutlass.Int32,
-                 valid_k: cutlass.Int32, a_smem_staged: cute.ComposedLayout,
-                 b_smem_staged: cute.ComposedLayout):
-        """Accumulate `sum_k gA[:, k] gB[:, k]` over `num_k_tiles` K tiles into fp32 registers.
-
-        K indices `>= valid_k` (the rows of the next group in dW) are zeroed in shared memory.
-        `use_alt_b` loads B through `tma_b_alt`/`gB_alt` (the slot weights) instead.
-        """
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-
+    def make_pipeline(self, a_smem_staged: cute.ComposedLayout,
+                      b_smem_staged: cute.ComposedLayout):
+        """Shared memory and the TMA -> consumer pipeline (every thread; ends with a CTA sync)."""
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
@@ -261,109 +339,109 @@ class GroupedGemm:
             barrier_storage=storage.pipeline_barriers.data_ptr(),
             num_stages=self.num_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # One arrive per consumer warp (its lane 0) releases a stage.
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.num_threads // 32),
+                                                     NUM_CONSUMER_THREADS // 32),
             tx_count=tma_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
-        cute.arch.sync_threads()
+        return ab_pipeline, sA, sB
 
-        # TMA partitions: (TMA, k tiles) in global memory, (TMA, stages) in shared memory.
+    @cute.jit
+    def load(self, ab_pipeline, producer, tma_a: cute.CopyAtom, gA: cute.Tensor,
+             sA: cute.Tensor, tma_b: cute.CopyAtom, gB: cute.Tensor, sB: cute.Tensor,
+             num_k_tiles: cutlass.Int32):
+        """Producer warp: TMA-load the `num_k_tiles` K tiles of one work item into the ring."""
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
-        tBsB_alt, tBgB_alt = cute.nvgpu.cpasync.tma_partition(
-            tma_b_alt, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-            cute.group_modes(gB_alt, 0, 2))
+        for k_tile in cutlass.range(num_k_tiles, unroll=1):
+            ab_pipeline.producer_acquire(producer)
+            barrier = ab_pipeline.producer_get_barrier(producer)
+            cute.copy(tma_a, tAgA[(None, k_tile)], tAsA[(None, producer.index)],
+                      tma_bar_ptr=barrier)
+            cute.copy(tma_b, tBgB[(None, k_tile)], tBsB[(None, producer.index)],
+                      tma_bar_ptr=barrier)
+            ab_pipeline.producer_commit(producer)
+            producer.advance()
+        return producer
 
-        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
-        thr_mma = tiled_mma.get_slice(warp_group_idx * 128)
+    @cute.jit
+    def consumer_setup(self, tiled_mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor,
+                       thread: cutlass.Int32):
+        """A consumer thread's WGMMA operand fragments, accumulators and pipeline states."""
+        thr_mma = tiled_mma.get_slice((thread // THREADS_PER_GROUP) * THREADS_PER_GROUP)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc_shape = thr_mma.partition_shape_C((TILE_M, TILE_N))
-        accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-        accumulators.fill(0.0)
+        accumulators = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TILE_N)),
+                                             self.acc_dtype)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                               self.num_stages)
+        return tCrA, tCrB, accumulators, read, release
 
-        producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                self.num_stages)
-        consumer_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                     self.num_stages)
-        consumer_release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                        self.num_stages)
+    @cute.jit
+    def consume(self, ab_pipeline, read, release, tiled_mma: cute.TiledMma, tCrA: cute.Tensor,
+                tCrB: cute.Tensor, accumulators: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor,
+                num_k_tiles: cutlass.Int32, valid_k: cutlass.Int32, thread: cutlass.Int32):
+        """Consumer warp groups: `accumulators = sum over the item's K tiles` (fp32 registers).
 
-        # Fill the pipeline.
-        if warp_idx == 0:
-            for _ in cutlass.range(cutlass.min(self.num_stages, num_k_tiles), unroll=1):
-                self.load_k_tile(ab_pipeline, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB,
-                                 tma_b_alt, tBgB_alt, tBsB_alt, use_alt_b)
-                producer.advance()
-
+        K indices `>= valid_k` (the rows of the next group in dW) are zeroed in shared memory.
+        Every stage read is released once its WGMMAs are done, the last one included, so the
+        producer runs ahead into the next work item while this one is stored.
+        """
+        accumulators.fill(0.0)
         num_k_blocks = cute.size(tCrA, mode=[2])
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
-            ab_pipeline.consumer_wait(consumer_read)
+            ab_pipeline.consumer_wait(read)
             if cutlass.const_expr(self.ragged_k):
                 if (k_tile + 1) * TILE_K > valid_k:
-                    self.zero_k_tail(sA, sB, consumer_read.index, valid_k - k_tile * TILE_K)
+                    self.zero_k_tail(sA, sB, read.index, valid_k - k_tile * TILE_K, thread)
             cute.nvgpu.warpgroup.fence()
             for k_block in cutlass.range_constexpr(num_k_blocks):
-                coord = (None, None, k_block, consumer_read.index)
+                coord = (None, None, k_block, read.index)
                 cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
             cute.nvgpu.warpgroup.commit_group()
             # Keep one K tile of WGMMAs in flight (the one before it is done with its stage), and
             # none once the loop ends: the compiler may move the epilogue's reads of the
-            # accumulators (the bf16 conversion) to the loop exit, and a read while a WGMMA is in
+            # accumulators (bf16 conversion) to the loop exit, and a read while a WGMMA is in
             # flight makes ptxas serialise every WGMMA of the kernel (C7514).
             if k_tile + 1 < num_k_tiles:
                 cute.nvgpu.warpgroup.wait_group(1)
             else:
                 cute.nvgpu.warpgroup.wait_group(0)
             if k_tile > 0:
-                ab_pipeline.consumer_release(consumer_release)
-                consumer_release.advance()
-                if warp_idx == 0 and producer.count < num_k_tiles:
-                    self.load_k_tile(ab_pipeline, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB,
-                                     tma_b_alt, tBgB_alt, tBsB_alt, use_alt_b)
-                    producer.advance()
-            consumer_read.advance()
-        return accumulators
-
-    @cute.jit
-    def load_k_tile(self, ab_pipeline, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, tma_b_alt,
-                    tBgB_alt, tBsB_alt, use_alt_b: cutlass.Boolean):
-        ab_pipeline.producer_acquire(producer)
-        barrier = ab_pipeline.producer_get_barrier(producer)
-        cute.copy(tma_a, tAgA[(None, producer.count)], tAsA[(None, producer.index)],
-                  tma_bar_ptr=barrier)
-        if use_alt_b:
-            cute.copy(tma_b_alt, tBgB_alt[(None, producer.count)], tBsB_alt[(None, producer.index)],
-                      tma_bar_ptr=barrier)
-        else:
-            cute.copy(tma_b, tBgB[(None, producer.count)], tBsB[(None, producer.index)],
-                      tma_bar_ptr=barrier)
-        ab_pipeline.producer_commit(producer)
+                ab_pipeline.consumer_release(release)
+                release.advance()
+            read.advance()
+        if num_k_tiles > 0:
+            ab_pipeline.consumer_release(release)
+            release.advance()
+        return read, release
 
     @cute.jit
     def zero_k_tail(self, sA: cute.Tensor, sB: cute.Tensor, stage: cutlass.Int32,
-                    first_invalid_k: cutlass.Int32):
-        """Zero K columns `>= first_invalid_k` of stage `stage` of both operand tiles."""
-        tidx, _, _ = cute.arch.thread_idx()
+                    first_invalid_k: cutlass.Int32, thread: cutlass.Int32):
+        """Zero K columns `>= first_invalid_k` of stage `stage` of both operand tiles (the two
+        consumer warp groups; the producer warp is not part of the named barrier)."""
         zero = self.ab_dtype(0.0)
         # idx enumerates (row, k) with row fastest, so the invalid columns start at k * rows.
-        for idx in cutlass.range(first_invalid_k * TILE_M + tidx, TILE_M * TILE_K,
-                                 self.num_threads, unroll=1):
+        for idx in cutlass.range(first_invalid_k * TILE_M + thread, TILE_M * TILE_K,
+                                 NUM_CONSUMER_THREADS, unroll=1):
             sA[idx % TILE_M, idx // TILE_M, stage] = zero
-        for idx in cutlass.range(first_invalid_k * TILE_N + tidx, TILE_N * TILE_K,
-                                 self.num_threads, unroll=1):
+        for idx in cutlass.range(first_invalid_k * TILE_N + thread, TILE_N * TILE_K,
+                                 NUM_CONSUMER_THREADS, unroll=1):
             sB[idx % TILE_N, idx // TILE_N, stage] = zero
         # The WGMMAs read shared memory through the async proxy.
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
 
     @cute.jit
-    def store(self, tiled_mma: cute.TiledMma, accumulators: cute.Tensor, gC: cute.Tensor,
-              cC: cute.Tensor, row_limit: cutlass.Int32, col_limit: cutlass.Int32):
+    def store(self, tiled_mma: cute.TiledMma, thread: cutlass.Int32, accumulators: cute.Tensor,
+              gC: cute.Tensor, cC: cute.Tensor, row_limit: cutlass.Int32,
+              col_limit: cutlass.Int32):
         """Store the accumulators to `gC` where the coordinate in `cC` is below the limits.
 
         Ragged M passes tile-relative rows (`cC` of tile 0) and the group's rows left in the tile;
@@ -374,8 +452,7 @@ class GroupedGemm:
         and never straddle a limit: every column limit and row stride is a multiple of 8 elements
         (`ALIGN_ELEMS`, checked by the launchers), and a pair starts at an even column.
         """
-        tidx, _, _ = cute.arch.thread_idx()
-        thr_mma = tiled_mma.get_slice(tidx)
+        thr_mma = tiled_mma.get_slice(thread)
         tCgC = cute.zipped_divide(thr_mma.partition_C(gC), (2,))  # ((pair), (pairs))
         tCcC = cute.zipped_divide(thr_mma.partition_C(cC), (2,))
         values = cute.make_rmem_tensor(accumulators.shape, gC.element_type)
@@ -417,7 +494,7 @@ def compile_forward(options: str):
     w_slots = _bf16((_aligned_dim(), _dim()), (0, 1))
     y = _bf16((_dim(), _aligned_dim()), (1, 0))
     return cute.compile(gemm.rows, x, w_local, w_slots, y, _table(), cutlass.Int32(0),
-                        make_fake_stream(), options=options)
+                        cutlass.Int32(1), make_fake_stream(), options=options)
 
 
 def compile_dx(options: str):
@@ -428,7 +505,7 @@ def compile_dx(options: str):
     w_slots = _bf16((_dim(), _aligned_dim()), (1, 0))
     dx = _bf16((_dim(), _aligned_dim()), (1, 0))
     return cute.compile(gemm.rows, dy, w_local, w_slots, dx, _table(), cutlass.Int32(0),
-                        make_fake_stream(), options=options)
+                        cutlass.Int32(1), make_fake_stream(), options=options)
 
 
 def compile_dw(options: str):
@@ -444,7 +521,7 @@ def compile_dw(options: str):
     cu_seqlens = make_fake_compact_tensor(cutlass.Int32, (_dim(),), assumed_align=4)
     ep_rank = make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
     return cute.compile(gemm.weight_grad, x_t, dy_t, dw_local, dw_slots, cu_seqlens, ep_rank,
-                        cutlass.Int32(1), make_fake_stream(), options=options)
+                        cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(), options=options)
 
 
 EXPORTS = {
