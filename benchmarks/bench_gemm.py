@@ -3,7 +3,10 @@
 M = S*K = 65536 rows, H = 7168, F = 2048: gate+up (K = H, N = 2F) and down (K = F, N = H), for
 forward, dX and dW. G = E + B groups (E = 384, EP = 2, B = epn) hold this rank's experts and its
 slots; their sizes follow a log-normal popularity whose skew is tuned to each maxvio target
-(the planner caps every rank at S*K rows, so per-group sizes are what varies). Writes
+(the planner caps every rank at S*K rows, so per-group sizes are what varies). Two diagnostic
+groupings of the same M separate the causes of the gap to dense: `one_group` (one weight matrix,
+whole tiles: the kernel itself against cuBLAS) and `tile_aligned` (as many weight matrices as a
+plan, whole tiles: the weight traffic without partial tiles). Writes
 benchmarks/results/bench_gemm_<gpu>x<count>.json (and into --out) and prints a table. `--quick` runs
 M = 4096, H = 512, F = 256 with 3 repetitions.
 
@@ -49,6 +52,36 @@ def group_sizes(maxvio: float, rng, m: int) -> np.ndarray:
     return sizes
 
 
+def diagnostic_groupings(m: int, tile_m: int) -> dict:
+    """Groupings that separate the causes of the gap to dense (same M, same kernels)."""
+    one = np.zeros(E + EPN, np.int64)
+    one[RANK * EPN] = m
+    # 2*EPN groups (as many weight matrices as the plans use) of whole tiles only.
+    tiles = np.full(2 * EPN, (m // tile_m) // (2 * EPN), np.int64)
+    tiles[:(m // tile_m) % (2 * EPN)] += 1
+    aligned = np.zeros(E + EPN, np.int64)
+    aligned[RANK * EPN:(RANK + 1) * EPN] = tiles[:EPN] * tile_m
+    aligned[E:] = tiles[EPN:] * tile_m
+    return {
+        "one_group": (one, "all rows in one group: one weight matrix, no partial tiles (the "
+                           "kernel against cuBLAS on the same work)"),
+        "tile_aligned": (aligned, "2*epn groups of whole M tiles: the plans' weight traffic "
+                                  "without partial tiles"),
+    }
+
+
+def tile_counts(sizes: np.ndarray, m: int, tile_m: int) -> dict:
+    """MMA rows the ragged-M kernels issue: every M tile holds rows of one group, and a tile's
+    second half (tile_m / 2 rows, one warp group) issues no MMAs when the group has no rows
+    there."""
+    full, rest = sizes // tile_m, sizes % tile_m
+    m_tiles = int(np.sum(full + (rest > 0)))
+    issued = int(np.sum(full * tile_m + np.where(rest > tile_m // 2, tile_m,
+                                                np.where(rest > 0, tile_m // 2, 0))))
+    return {"m_tiles": m_tiles, "useful_row_fraction": m / (m_tiles * tile_m),
+            "issued_mma_rows": issued, "useful_mma_fraction": m / issued}
+
+
 RAGGED_DOT_NOTE = ("with ~E+epn groups XLA lowers it through a dense [M, G, K] mask (336 GiB at "
                    "M=65536, G=384, K=7168) and its compile fails with RESOURCE_EXHAUSTED on an "
                    "H200 (jax 0.11.2)")
@@ -70,12 +103,12 @@ def measure(name, fn, args, reps, flops, **extra) -> dict:
     try:
         times = _common.time_calls(fn, args, reps)
     except Exception as e:  # noqa: BLE001
-        print(f"{name:28s} {extra.get('maxvio_target', ''):>6} failed: {str(e).splitlines()[0][:160]}")
+        print(f"{name:22s} {extra.get('grouping', ''):>12} failed: {str(e).splitlines()[0][:160]}")
         return {"name": name, "error": str(e).splitlines()[0][:400], **extra}
     median = float(np.median(times))
     result = {"name": name, "times_ms": times, "median_ms": median,
               "tflops": flops / (median * 1e-3) / 1e12, **extra}
-    print(f"{name:28s} {extra.get('maxvio_target', ''):>6} {median:8.3f} ms "
+    print(f"{name:22s} {extra.get('grouping', ''):>12} {median:8.3f} ms "
           f"{result['tflops']:7.1f} TFLOP/s", flush=True)
     return result
 
@@ -112,17 +145,18 @@ def main():
         results.append(measure(
             f"{proj}/dense_dw", jax.jit(lambda a, b: jnp.dot(a.T, b, preferred_element_type=jnp.float32)),
             (x, dy), args.reps, flops))
-        for maxvio in MAXVIO:
-            sizes = group_sizes(maxvio, rng, m)
+        groupings = [(f"maxvio {maxvio}", group_sizes(maxvio, rng, m), {"maxvio_target": maxvio})
+                     for maxvio in MAXVIO]
+        groupings += [(name, sizes, {"diagnostic": why})
+                      for name, (sizes, why) in diagnostic_groupings(m, gemm.TILE_M).items()]
+        for label, sizes, extra in groupings:
             cu = jnp.asarray(np.cumsum(sizes), jnp.int32)
             nonzero = sizes[sizes > 0]
-            # Every M tile holds rows of one group, so the forward and dX issue MMAs for
-            # m_tiles * TILE_M rows, of which only m are real.
-            m_tiles = int(np.sum(-(-sizes // gemm.TILE_M)))
-            extra = {"maxvio_target": maxvio, "num_groups": int(len(sizes)),
-                     "nonempty_groups": int(len(nonzero)), "max_group": int(sizes.max()),
-                     "group_skew_measured": float(nonzero.max() / nonzero.mean() - 1),
-                     "m_tiles": m_tiles, "useful_row_fraction": m / (m_tiles * gemm.TILE_M)}
+            extra = {"grouping": label, **extra, **tile_counts(sizes, m, gemm.TILE_M),
+                     "num_groups": int(len(sizes)), "nonempty_groups": int(len(nonzero)),
+                     "max_group": int(sizes.max()),
+                     "group_skew_measured": float(nonzero.max() / nonzero.mean() - 1)}
+            maxvio = extra.get("maxvio_target")
             fwd = jax.jit(gemm.grouped_matmul)
             dx = jax.jit(gemm.grouped_matmul_dx)
             dw = jax.jit(gemm.grouped_matmul_dw, static_argnums=(4, 5))
@@ -151,14 +185,14 @@ def main():
     for out in outs:
         _common.write_json(out / f"{stem}.json", record)
     dense = {r["name"]: r["tflops"] for r in results if "/dense_" in r["name"] and "tflops" in r}
-    print(f"{'name':28s} {'maxvio':>6s} {'ms':>8s} {'TFLOP/s':>8s} {'% dense':>8s}")
+    print(f"{'name':22s} {'grouping':>12s} {'ms':>8s} {'TFLOP/s':>8s} {'% dense':>8s}")
     for r in results:
         if "error" in r:
             continue
         proj, kind = r["name"].split("/")
         base = dense.get(f"{proj}/dense_{kind.split('_')[-1]}")
         pct = f"{100 * r['tflops'] / base:7.1f}%" if base else ""
-        print(f"{r['name']:28s} {r.get('maxvio_target', ''):>6} {r['median_ms']:8.3f} "
+        print(f"{r['name']:22s} {r.get('grouping', ''):>12} {r['median_ms']:8.3f} "
               f"{r['tflops']:8.1f} {pct:>8s}")
     print(f"wrote {', '.join(str(o / stem) + '.json' for o in outs)}")
 

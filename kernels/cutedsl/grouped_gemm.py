@@ -27,7 +27,9 @@ The CTA program is persistent and warp-specialised: one CTA per SM walks the wor
 with a grid stride; warp 0 of warp group 0 (registers given back) issues the TMA loads of every
 item into a multi-stage mbarrier ring and runs ahead into the next item, while warp groups 1 and 2
 (64 x BN WGMMAs each) consume the stages and store the accumulators straight from registers with
-row/column predicates, so one item's epilogue overlaps the next item's loads.
+row/column predicates, so one item's epilogue overlaps the next item's loads. In a ragged-M tile
+that holds at most 64 rows of its group, the second consumer warp group issues no WGMMAs (it
+only releases the stages), which halves the MMA work of a group's last, partial tile.
 """
 
 import cuda.bindings.driver as cuda
@@ -190,6 +192,9 @@ class GroupedGemm:
         else:
             cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
             thread = tidx - THREADS_PER_GROUP
+            # This warp group's first row in a tile, from the warp-uniform warp index: ptxas
+            # serialises WGMMAs under a branch it cannot prove uniform.
+            first_row = (warp_idx // WARPS_PER_GROUP - 1) * (TILE_M // 2)
             tCrA, tCrB, accumulators, read, release = self.consumer_setup(tiled_mma, sA, sB,
                                                                           thread)
             for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
@@ -197,7 +202,8 @@ class GroupedGemm:
                     item, mA, mB_local, mB_slots, mC, tile_table, mat_extent)
                 read, release = self.consume(ab_pipeline, read, release, tiled_mma, tCrA, tCrB,
                                              accumulators, sA, sB, num_k_tiles,
-                                             num_k_tiles * TILE_K, thread)
+                                             num_k_tiles * TILE_K, row_end - row_start,
+                                             first_row, thread)
                 # Store rows [row_start, row_end) of this tile; columns < N (and < D0 for dX).
                 gC = cute.local_tile(cute.domain_offset((row_start, 0), mC), (TILE_M, TILE_N),
                                      (0, n_tile))
@@ -310,7 +316,7 @@ class GroupedGemm:
                 if has_work != 0:
                     read, release = self.consume(ab_pipeline, read, release, tiled_mma, tCrA,
                                                  tCrB, accumulators, sA, sB, num_k_tiles,
-                                                 num_rows, thread)
+                                                 num_rows, TILE_M, 0, thread)
                     cC = cute.local_tile(cute.make_identity_tensor((d0, d1)), (TILE_M, TILE_N),
                                          (m_tile, n_tile))
                     if mat < num_local:
@@ -385,14 +391,39 @@ class GroupedGemm:
     @cute.jit
     def consume(self, ab_pipeline, read, release, tiled_mma: cute.TiledMma, tCrA: cute.Tensor,
                 tCrB: cute.Tensor, accumulators: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor,
-                num_k_tiles: cutlass.Int32, valid_k: cutlass.Int32, thread: cutlass.Int32):
+                num_k_tiles: cutlass.Int32, valid_k: cutlass.Int32, valid_rows: cutlass.Int32,
+                first_row: cutlass.Int32, thread: cutlass.Int32):
         """Consumer warp groups: `accumulators = sum over the item's K tiles` (fp32 registers).
 
         K indices `>= valid_k` (the rows of the next group in dW) are zeroed in shared memory.
+        A warp group whose 64 rows all lie at or past `valid_rows` (the second half of a tile
+        holding a group's last <= 64 rows) issues no WGMMAs: its rows are never stored, and
+        the other warp group then has the tensor cores to itself.
         Every stage read is released once its WGMMAs are done, the last one included, so the
         producer runs ahead into the next work item while this one is stored.
         """
         accumulators.fill(0.0)
+        has_rows = first_row < valid_rows
+        if cutlass.const_expr(self.ragged_k):  # every dW tile is full (and K-tail zeroing syncs
+            has_rows = True                      # both warp groups)
+        if has_rows:
+            read, release = self.multiply(ab_pipeline, read, release, tiled_mma, tCrA, tCrB,
+                                          accumulators, sA, sB, num_k_tiles, valid_k, thread)
+        else:
+            # No WGMMA may sit under this branch (ptxas would serialise every WGMMA), so the
+            # idle warp group only passes each stage on.
+            for _ in cutlass.range(num_k_tiles, unroll=1):
+                ab_pipeline.consumer_wait(read)
+                ab_pipeline.consumer_release(release)
+                read.advance()
+                release.advance()
+        return read, release
+
+    @cute.jit
+    def multiply(self, ab_pipeline, read, release, tiled_mma: cute.TiledMma, tCrA: cute.Tensor,
+                 tCrB: cute.Tensor, accumulators: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor,
+                 num_k_tiles: cutlass.Int32, valid_k: cutlass.Int32, thread: cutlass.Int32):
+        """The K loop of one warp group: WGMMAs of each stage into the accumulators."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
             ab_pipeline.consumer_wait(read)
@@ -404,18 +435,13 @@ class GroupedGemm:
                 coord = (None, None, k_block, read.index)
                 cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
             cute.nvgpu.warpgroup.commit_group()
-            # Keep one K tile of WGMMAs in flight (the one before it is done with its stage), and
-            # none once the loop ends: the compiler may move the epilogue's reads of the
-            # accumulators (bf16 conversion) to the loop exit, and a read while a WGMMA is in
-            # flight makes ptxas serialise every WGMMA of the kernel (C7514).
-            if k_tile + 1 < num_k_tiles:
-                cute.nvgpu.warpgroup.wait_group(1)
-            else:
-                cute.nvgpu.warpgroup.wait_group(0)
+            # Keep one K tile of WGMMAs in flight: the one before it is done with its stage.
+            cute.nvgpu.warpgroup.wait_group(1)
             if k_tile > 0:
                 ab_pipeline.consumer_release(release)
                 release.advance()
             read.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
         if num_k_tiles > 0:
             ab_pipeline.consumer_release(release)
             release.advance()
