@@ -71,12 +71,12 @@ def diagnostic_groupings(m: int, tile_m: int) -> dict:
 
 
 def tile_counts(sizes: np.ndarray, m: int, tile_m: int) -> dict:
-    """MMA rows the ragged-M kernels issue: every M tile holds rows of one group, and a tile's
-    second half (tile_m / 2 rows, one warp group) issues no MMAs when the group has no rows
-    there."""
+    """MMA rows the ragged-M kernels issue: every M tile holds rows of one group, and of the two
+    warp groups, which own alternate 64-row blocks of a tile, the second issues no MMAs when the
+    group has at most 64 rows in the tile."""
     full, rest = sizes // tile_m, sizes % tile_m
     m_tiles = int(np.sum(full + (rest > 0)))
-    issued = int(np.sum(full * tile_m + np.where(rest > tile_m // 2, tile_m,
+    issued = int(np.sum(full * tile_m + np.where(rest > 64, tile_m,
                                                 np.where(rest > 0, tile_m // 2, 0))))
     return {"m_tiles": m_tiles, "useful_row_fraction": m / (m_tiles * tile_m),
             "issued_mma_rows": issued, "useful_mma_fraction": m / issued}
@@ -148,11 +148,11 @@ def main():
         groupings = [(f"maxvio {maxvio}", group_sizes(maxvio, rng, m), {"maxvio_target": maxvio})
                      for maxvio in MAXVIO]
         groupings += [(name, sizes, {"diagnostic": why})
-                      for name, (sizes, why) in diagnostic_groupings(m, gemm.TILE_M).items()]
+                      for name, (sizes, why) in diagnostic_groupings(m, gemm.tile_m()).items()]
         for label, sizes, extra in groupings:
             cu = jnp.asarray(np.cumsum(sizes), jnp.int32)
             nonzero = sizes[sizes > 0]
-            extra = {"grouping": label, **extra, **tile_counts(sizes, m, gemm.TILE_M),
+            extra = {"grouping": label, **extra, **tile_counts(sizes, m, gemm.tile_m()),
                      "num_groups": int(len(sizes)), "nonempty_groups": int(len(nonzero)),
                      "max_group": int(sizes.max()),
                      "group_skew_measured": float(nonzero.max() / nonzero.mean() - 1)}

@@ -80,7 +80,8 @@ __device__ void write_entry(int32_t* table, int32_t index, int32_t c0, int32_t c
 __global__ void __launch_bounds__(kTableThreads)
     gmm_tile_table_kernel(const int32_t* cu_seqlens, const int32_t* ep_rank, int32_t num_groups,
                           int32_t num_local, int32_t num_slots, int32_t num_rows,
-                          int32_t max_tiles, int32_t* table, int32_t* overflow_table) {
+                          int32_t max_tiles, int32_t max_overflow_tiles, int32_t* table,
+                          int32_t* overflow_table) {
   __shared__ int32_t partial[kTableThreads];
   __shared__ int32_t partial_overflow[kTableThreads];
   const bool overflow = overflow_table != nullptr;
@@ -95,8 +96,8 @@ __global__ void __launch_bounds__(kTableThreads)
   for (int32_t s = seg_begin; s < seg_end; ++s) {
     segment_of(cu_seqlens, num_groups, num_experts, first_local, num_local, num_rows, overflow, s,
                kind, start, end, mat);
-    const int32_t tiles = (end - start + kGmmTileM - 1) / kGmmTileM;
-    (kind == kKindOverflow ? my_overflow_tiles : my_tiles) += tiles;
+    const int32_t tile_m = kind == kKindOverflow ? kGmmOverflowTileM : kGmmTileM;
+    (kind == kKindOverflow ? my_overflow_tiles : my_tiles) += (end - start + tile_m - 1) / tile_m;
   }
   partial[threadIdx.x] = my_tiles;
   partial_overflow[threadIdx.x] = my_overflow_tiles;
@@ -107,12 +108,13 @@ __global__ void __launch_bounds__(kTableThreads)
   for (int32_t s = seg_begin; s < seg_end; ++s) {
     segment_of(cu_seqlens, num_groups, num_experts, first_local, num_local, num_rows, overflow, s,
                kind, start, end, mat);
-    for (int32_t row = start; row < end; row += kGmmTileM) {
+    const int32_t tile_m = kind == kKindOverflow ? kGmmOverflowTileM : kGmmTileM;
+    for (int32_t row = start; row < end; row += tile_m) {
       if (kind != kKindOverflow) {
         if (tile < max_tiles) write_entry(table, tile, kind, row, end, mat);
         ++tile;
       } else {
-        if (overflow_tile < max_tiles)
+        if (overflow_tile < max_overflow_tiles)
           write_entry(overflow_table, 1 + overflow_tile, row, end, mat / num_local,
                       mat % num_local);
         ++overflow_tile;
@@ -121,7 +123,7 @@ __global__ void __launch_bounds__(kTableThreads)
   }
   for (int32_t t = total + threadIdx.x; t < max_tiles; t += kTableThreads)
     write_entry(table, t, kKindUnused, 0, 0, 0);
-  if (overflow && threadIdx.x == 0) write_entry(overflow_table, 0, min(total_overflow, max_tiles), 0, 0, 0);
+  if (overflow && threadIdx.x == 0) write_entry(overflow_table, 0, min(total_overflow, max_overflow_tiles), 0, 0, 0);
 }
 
 // ---- Inference overflow: tiles of peers' experts, weights read in place over NVLink ------------
@@ -130,7 +132,7 @@ __global__ void __launch_bounds__(kTableThreads)
 // 8 warps as 2 (M) x 4 (N), each 64 x 32 outputs = 4 x 2 fragments of 16 x 16, fp32 accumulation.
 // Operand tiles are staged in shared memory with 16-byte loads, the next K step's loads in flight
 // (in registers) while the current one multiplies.
-constexpr int kOvTileM = 128, kOvTileN = 128, kOvTileK = 32;
+constexpr int kOvTileM = kGmmOverflowTileM, kOvTileN = 128, kOvTileK = 32;
 constexpr int kOvThreads = 256;
 constexpr int kOvPad = 8;  // bf16 of row padding: fewer bank conflicts, rows stay 16-B aligned
 constexpr int kVecElems = 8;  // bf16 per 16-byte vector
@@ -363,11 +365,12 @@ cudaError_t launch_gmm_rows(const GmmRowsParams& p, cudaStream_t stream) {
   if (cudaError_t e = load_grouped_gemm(); e != cudaSuccess) return e;
   if (cudaError_t e = cutedsl::use_stream_device(stream); e != cudaSuccess) return e;
   const int32_t max_tiles = gmm_max_tiles(p.num_rows, p.num_groups);
+  const int32_t max_overflow_tiles = gmm_max_tiles(p.num_rows, p.num_groups, kGmmOverflowTileM);
   int32_t* overflow_table =
       p.overflow ? p.tile_table + static_cast<int64_t>(max_tiles) * kTableColumns : nullptr;
-  gmm_tile_table_kernel<<<1, kTableThreads, 0, stream>>>(p.cu_seqlens, p.ep_rank, p.num_groups,
-                                                          p.num_local, p.num_slots, p.num_rows,
-                                                          max_tiles, p.tile_table, overflow_table);
+  gmm_tile_table_kernel<<<1, kTableThreads, 0, stream>>>(
+      p.cu_seqlens, p.ep_rank, p.num_groups, p.num_local, p.num_slots, p.num_rows, max_tiles,
+      max_overflow_tiles, p.tile_table, overflow_table);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (p.overflow) {
     // Peers read this rank's w_local (in place) from here until the exit rendezvous.
@@ -402,7 +405,7 @@ cudaError_t launch_gmm_rows(const GmmRowsParams& p, cudaStream_t stream) {
   if (status != 0) return static_cast<cudaError_t>(status);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (!p.overflow) return cudaSuccess;
-  if (cudaError_t e = launch_overflow(p, overflow_table, max_tiles, stream); e != cudaSuccess)
+  if (cudaError_t e = launch_overflow(p, overflow_table, max_overflow_tiles, stream); e != cudaSuccess)
     return e;
   return launch_exit_rendezvous(p.group, kOpGroupedGemm, stream);
 }

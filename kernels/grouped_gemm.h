@@ -13,21 +13,24 @@
 
 namespace moonep {
 
-// Rows per M tile of the ragged-M kernels (TILE_M in grouped_gemm.py).
-constexpr int32_t kGmmTileM = 128;
+// Rows per M tile of the ragged-M CuTe kernels (TILE_M in grouped_gemm.py) and of the inference
+// overflow kernel (its own CTA tile).
+constexpr int32_t kGmmTileM = 256;
+constexpr int32_t kGmmOverflowTileM = 128;
 
-// Tile-table entries the ragged-M kernels need at most: ceil(NvS / kGmmTileM) full tiles, plus
+// Tile-table entries needed at most with `tile_m`-row tiles: ceil(NvS / tile_m) full tiles, plus
 // one partial tile per group, plus the zero tail past cu_seqlens[G-1].
-inline int32_t gmm_max_tiles(int32_t num_rows, int32_t num_groups) {
-  return (num_rows + kGmmTileM - 1) / kGmmTileM + num_groups + 1;
+inline int32_t gmm_max_tiles(int32_t num_rows, int32_t num_groups, int32_t tile_m = kGmmTileM) {
+  return (num_rows + tile_m - 1) / tile_m + num_groups + 1;
 }
 
 // Rows of the `[rows, 4]` int32 tile-table scratch of the ragged-M kernels: the CuTe tile table,
 // then, when overflow groups are possible, the overflow table (a count row, then one entry per
-// overflow M tile; it never has more entries than the tile table has rows).
+// overflow tile of kGmmOverflowTileM rows). Python reads it from the extension
+// (moonep_jax/_cuda/gemm.py), so the two never disagree.
 inline int32_t gmm_table_rows(int32_t num_rows, int32_t num_groups, bool overflow) {
   const int32_t tiles = gmm_max_tiles(num_rows, num_groups);
-  return overflow ? 2 * tiles + 1 : tiles;
+  return overflow ? tiles + 1 + gmm_max_tiles(num_rows, num_groups, kGmmOverflowTileM) : tiles;
 }
 
 enum class GmmRowsOp { kForward, kDx };

@@ -185,7 +185,7 @@ def test_gmm_overflow_needs_the_transport():
 # ---- inference overflow: groups of peers' experts, weights read in place ------------------------
 
 OVERFLOW_EPN, OVERFLOW_B = 4, 2
-TILE_ROWS = 128  # M tile of the kernels
+TILE_ROWS = 256  # M tile of the CuTe kernels (two of the overflow kernel)
 
 
 def _overflow_inputs(rng, R, num_rows, d0, d1):

@@ -5,6 +5,7 @@
 
 #include <type_traits>
 
+#include "kernels/grouped_gemm.h"
 #include "xla_ffi/handlers.h"
 #include "xla_ffi/transport.h"
 
@@ -32,5 +33,8 @@ py::dict Registrations() {
 PYBIND11_MODULE(_moonep_jax_cuda, m) {
   m.doc() = "moonep_jax CUDA kernels as XLA FFI handlers";
   m.def("registrations", &Registrations, "FFI target name -> handler capsule.");
+  m.def("gmm_table_rows", &moonep::gmm_table_rows, py::arg("num_rows"), py::arg("num_groups"),
+        py::arg("overflow"), "Rows of the grouped GEMM's [rows, 4] int32 tile-table scratch.");
+  m.attr("GMM_TILE_M") = moonep::kGmmTileM;
   moonep::register_transport_bindings(m);
 }

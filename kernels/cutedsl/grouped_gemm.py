@@ -26,10 +26,15 @@ and zeroing B = epn fp32 slot matrices costs more than the slots that hold rows)
 The CTA program is persistent and warp-specialised: one CTA per SM walks the work items (tiles)
 with a grid stride; warp 0 of warp group 0 (registers given back) issues the TMA loads of every
 item into a multi-stage mbarrier ring and runs ahead into the next item, while warp groups 1 and 2
-(64 x BN WGMMAs each) consume the stages and store the accumulators straight from registers with
-row/column predicates, so one item's epilogue overlaps the next item's loads. In a ragged-M tile
-that holds at most 64 rows of its group, the second consumer warp group issues no WGMMAs (it
-only releases the stages), which halves the MMA work of a group's last, partial tile.
+(alternate 64-row blocks of the tile each, 64 x BN WGMMAs) consume the stages and store the
+accumulators straight from registers with row/column predicates, so one item's epilogue overlaps
+the next item's loads. In a ragged-M tile that holds at most 64 rows of its group, the second
+consumer warp group issues no WGMMAs (it only releases the stages).
+
+Tiles are 256 x 128 (M x N): a group of up to 256 rows is one M tile, so its weights stream from
+memory once per N tile. With 128-row tiles the ~170-row groups of a 384-expert plan took two M
+tiles each, whose CTAs drift apart and both stream the same weights from HBM, which bounded the
+forward and dX by weight traffic (bench_gemm's `tile_aligned` grouping shows that bound).
 """
 
 import cuda.bindings.driver as cuda
@@ -40,7 +45,8 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-TILE_M, TILE_N, TILE_K = 128, 256, 64
+TILE_M, TILE_N, TILE_K = 256, 128, 64
+ATOM_M = 64  # rows of one WGMMA; the two consumer warp groups own alternate ATOM_M-row blocks
 # Tile table columns and kinds (kernels/grouped_gemm.h mirrors them).
 KIND_LOCAL, KIND_SLOT, KIND_ZERO, KIND_UNUSED = 0, 1, 2, 3
 TABLE_COLUMNS = 4
@@ -63,7 +69,7 @@ class GroupedGemm:
         self.ragged_k = ragged_k
         self.stack_mode = stack_mode
         self.tile_mnk = (TILE_M, TILE_N, TILE_K)
-        self.atom_layout_mnk = (2, 1, 1)  # two consumer warpgroups, 64 rows each
+        self.atom_layout_mnk = (2, 1, 1)  # two consumer warp groups, alternate 64-row blocks
         self.num_threads = THREADS_PER_GROUP + NUM_CONSUMER_THREADS
         self.acc_dtype = cutlass.Float32
         self.buffer_align_bytes = 1024
@@ -75,7 +81,7 @@ class GroupedGemm:
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(),
             b_layout.sm90_mma_major_mode(), self.acc_dtype, self.atom_layout_mnk,
-            tiler_mn=(64, TILE_N))
+            tiler_mn=(ATOM_M, TILE_N))
         bytes_per_stage = (TILE_M + TILE_N) * TILE_K * self.ab_dtype.width // 8
         smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
         self.num_stages = (smem_capacity - 2048) // bytes_per_stage
@@ -192,9 +198,10 @@ class GroupedGemm:
         else:
             cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
             thread = tidx - THREADS_PER_GROUP
-            # This warp group's first row in a tile, from the warp-uniform warp index: ptxas
-            # serialises WGMMAs under a branch it cannot prove uniform.
-            first_row = (warp_idx // WARPS_PER_GROUP - 1) * (TILE_M // 2)
+            # This warp group's first row in a tile (the warp groups take turns by ATOM_M rows),
+            # from the warp-uniform warp index: ptxas serialises WGMMAs under a branch it cannot
+            # prove uniform.
+            first_row = (warp_idx // WARPS_PER_GROUP - 1) * ATOM_M
             tCrA, tCrB, accumulators, read, release = self.consumer_setup(tiled_mma, sA, sB,
                                                                           thread)
             for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
@@ -396,9 +403,8 @@ class GroupedGemm:
         """Consumer warp groups: `accumulators = sum over the item's K tiles` (fp32 registers).
 
         K indices `>= valid_k` (the rows of the next group in dW) are zeroed in shared memory.
-        A warp group whose 64 rows all lie at or past `valid_rows` (the second half of a tile
-        holding a group's last <= 64 rows) issues no WGMMAs: its rows are never stored, and
-        the other warp group then has the tensor cores to itself.
+        A warp group whose rows all lie at or past `valid_rows` (its first row `first_row` does)
+        issues no WGMMAs: its rows are never stored.
         Every stage read is released once its WGMMAs are done, the last one included, so the
         producer runs ahead into the next work item while this one is stored.
         """

@@ -23,22 +23,20 @@ from moonep_jax import _checks, _ffi
 from moonep_jax.config import EPConfig
 from moonep_jax.plan_types import Plan
 
-# Rows per M tile of the ragged-M kernels (kernels/grouped_gemm.h: kGmmTileM).
-TILE_M = 128
 # TMA needs every row stride to be a multiple of 16 bytes.
 ALIGN_ELEMS = 8
 
 
-def max_tiles(num_rows: int, num_groups: int) -> int:
-    """Entries of the CuTe tile table (kernels/grouped_gemm.h: gmm_max_tiles)."""
-    return -(-num_rows // TILE_M) + num_groups + 1
+def tile_m() -> int:
+    """Rows per M tile of the ragged-M kernels, as the loaded extension was built."""
+    return _ffi.lib().GMM_TILE_M
 
 
 def table_rows(num_rows: int, num_groups: int, overflow: bool) -> int:
     """Rows of the tile-table scratch (kernels/grouped_gemm.h: gmm_table_rows): the CuTe table,
-    then with overflow a count row and the overflow table."""
-    tiles = max_tiles(num_rows, num_groups)
-    return 2 * tiles + 1 if overflow else tiles
+    then with overflow a count row and the overflow table. Asked of the extension, whose kernels
+    fill it."""
+    return _ffi.lib().gmm_table_rows(num_rows, num_groups, overflow)
 
 
 # With B == epn the handlers never read the transport attributes; these only fill the binding.
