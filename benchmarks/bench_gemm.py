@@ -71,13 +71,11 @@ def diagnostic_groupings(m: int, tile_m: int) -> dict:
 
 
 def tile_counts(sizes: np.ndarray, m: int, tile_m: int) -> dict:
-    """MMA rows the ragged-M kernels issue: every M tile holds rows of one group, and of the two
-    warp groups, which own alternate 64-row blocks of a tile, the second issues no MMAs when the
-    group has at most 64 rows in the tile."""
+    """M tiles and MMA rows of the ragged-M kernels: every M tile holds rows of one group, and
+    a tile issues MMAs only for its 64-row blocks that hold rows of the group."""
     full, rest = sizes // tile_m, sizes % tile_m
     m_tiles = int(np.sum(full + (rest > 0)))
-    issued = int(np.sum(full * tile_m + np.where(rest > 64, tile_m,
-                                                np.where(rest > 0, tile_m // 2, 0))))
+    issued = int(np.sum(full * tile_m + -(-rest // 64) * 64))
     return {"m_tiles": m_tiles, "useful_row_fraction": m / (m_tiles * tile_m),
             "issued_mma_rows": issued, "useful_mma_fraction": m / issued}
 

@@ -111,15 +111,21 @@ def test_gemm_sass_uses_hgmma_and_tma(aot_dir):
         assert sass.count("HGMMA") > 0, prefix
         assert sass.count("UTMALDG") > 0, prefix
         assert "LDL" not in sass and "STL" not in sass, f"{prefix} spills to local memory"
-        # A K tile's WGMMAs issue back to back; then the loop waits until one K tile of them is
-        # left in flight, and once the loop ends, for all. A wait between two WGMMAs means ptxas
-        # serialised every WGMMA (C7514/C7518/C7520: an accumulator read while one was in
-        # flight, or a WGMMA under a branch it cannot prove uniform); a second wait for all
-        # means it injected one into every K tile (C7517), so no K tile overlaps the next.
-        lines = [line for line in sass.splitlines() if "HGMMA" in line or "WARPGROUP.DEPBAR" in line]
-        hgmma = [i for i, line in enumerate(lines) if "HGMMA" in line]
-        between = [line.strip() for line in lines[hgmma[0]:hgmma[-1]] if "DEPBAR" in line]
-        assert not between, f"{prefix}: WGMMAs serialised by {between[0]}"
-        waits = [line.split("DEPBAR.LE")[1].split(";")[0].strip() for line in lines[hgmma[-1]:]
-                 if "DEPBAR" in line]
-        assert waits == ["gsb0, 0x1", "gsb0, 0x0"], f"{prefix}: K-loop waits {waits}"
+        # In every K loop (one per number of 64-row blocks a warp group multiplies), a K tile's
+        # WGMMAs issue back to back; then the loop waits until one K tile of them is left in
+        # flight, and once the loop ends, for all. Single WGMMAs each followed by a wait mean
+        # ptxas serialised them (C7514/C7518/C7520: an accumulator read while one was in flight,
+        # or a WGMMA under a branch it cannot prove uniform); a second wait for all means it
+        # injected one into every K tile (C7517), so no K tile overlaps the next.
+        loops = []  # (WGMMAs of a K tile, the waits after them)
+        for line in sass.splitlines():
+            if "HGMMA" in line:
+                if not loops or loops[-1][1]:
+                    loops.append([0, []])
+                loops[-1][0] += 1
+            elif "WARPGROUP.DEPBAR" in line and loops:
+                loops[-1][1].append(line.split("DEPBAR.LE")[1].split(";")[0].strip())
+        assert loops, prefix
+        for wgmmas, waits in loops:
+            assert wgmmas >= 4, f"{prefix}: WGMMAs serialised ({wgmmas} between waits)"
+            assert waits == ["gsb0, 0x1", "gsb0, 0x0"], f"{prefix}: K-loop waits {waits}"

@@ -403,18 +403,25 @@ class GroupedGemm:
         """Consumer warp groups: `accumulators = sum over the item's K tiles` (fp32 registers).
 
         K indices `>= valid_k` (the rows of the next group in dW) are zeroed in shared memory.
-        A warp group whose rows all lie at or past `valid_rows` (its first row `first_row` does)
-        issues no WGMMAs: its rows are never stored.
+        A warp group issues WGMMAs only for its 64-row blocks (rows `first_row + 128 * j`) that
+        hold a row below `valid_rows`: the other rows are never stored, so a group's last tile
+        costs MMAs for its rows rounded up to 64, not to the tile.
         Every stage read is released once its WGMMAs are done, the last one included, so the
         producer runs ahead into the next work item while this one is stored.
         """
         accumulators.fill(0.0)
-        has_rows = first_row < valid_rows
+        num_m_blocks = cute.size(tCrA, mode=[1])
         if cutlass.const_expr(self.ragged_k):  # every dW tile is full (and K-tail zeroing syncs
-            has_rows = True                      # both warp groups)
-        if has_rows:
+            read, release = self.multiply(   # both warp groups)
+                ab_pipeline, read, release, tiled_mma, tCrA, tCrB, accumulators, sA, sB,
+                num_k_tiles, valid_k, num_m_blocks, thread)
+        elif first_row + (num_m_blocks - 1) * 2 * ATOM_M < valid_rows:
             read, release = self.multiply(ab_pipeline, read, release, tiled_mma, tCrA, tCrB,
-                                          accumulators, sA, sB, num_k_tiles, valid_k, thread)
+                                          accumulators, sA, sB, num_k_tiles, valid_k,
+                                          num_m_blocks, thread)
+        elif first_row < valid_rows:
+            read, release = self.multiply(ab_pipeline, read, release, tiled_mma, tCrA, tCrB,
+                                          accumulators, sA, sB, num_k_tiles, valid_k, 1, thread)
         else:
             # No WGMMA may sit under this branch (ptxas would serialise every WGMMA), so the
             # idle warp group only passes each stage on.
@@ -428,8 +435,10 @@ class GroupedGemm:
     @cute.jit
     def multiply(self, ab_pipeline, read, release, tiled_mma: cute.TiledMma, tCrA: cute.Tensor,
                  tCrB: cute.Tensor, accumulators: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor,
-                 num_k_tiles: cutlass.Int32, valid_k: cutlass.Int32, thread: cutlass.Int32):
-        """The K loop of one warp group: WGMMAs of each stage into the accumulators."""
+                 num_k_tiles: cutlass.Int32, valid_k: cutlass.Int32,
+                 m_blocks: cutlass.Constexpr[int], thread: cutlass.Int32):
+        """The K loop of one warp group: WGMMAs of each stage into the accumulators of its first
+        `m_blocks` 64-row blocks."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
             ab_pipeline.consumer_wait(read)
@@ -439,7 +448,16 @@ class GroupedGemm:
             cute.nvgpu.warpgroup.fence()
             for k_block in cutlass.range_constexpr(num_k_blocks):
                 coord = (None, None, k_block, read.index)
-                cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
+                if cutlass.const_expr(m_blocks == cute.size(tCrA, mode=[1])):
+                    cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
+                else:
+                    a = tCrA[coord]
+                    a = cute.make_tensor(a.iterator, cute.make_layout(
+                        (cute.size(a, mode=[0]), m_blocks), stride=(0, a.layout.stride[1])))
+                    acc = cute.make_tensor(accumulators.iterator, cute.make_layout(
+                        (accumulators.layout.shape[0], m_blocks, 1),
+                        stride=(accumulators.layout.stride[0], accumulators.layout.stride[1], 0)))
+                    cute.gemm(tiled_mma, acc, a, tCrB[coord], acc)
             cute.nvgpu.warpgroup.commit_group()
             # Keep one K tile of WGMMAs in flight: the one before it is done with its stage.
             cute.nvgpu.warpgroup.wait_group(1)
