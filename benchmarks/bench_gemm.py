@@ -56,7 +56,8 @@ def diagnostic_groupings(m: int, tile_m: int) -> dict:
     """Groupings that separate the causes of the gap to dense (same M, same kernels)."""
     one = np.zeros(E + EPN, np.int64)
     one[RANK * EPN] = m
-    # 2*EPN groups (as many weight matrices as the plans use) of whole tiles only.
+    # Whole tiles over up to 2*EPN groups (as many weight matrices as the plans use, when there
+    # are at least as many tiles; with 256-row tiles and M = 65536, 256 groups get one tile).
     tiles = np.full(2 * EPN, (m // tile_m) // (2 * EPN), np.int64)
     tiles[:(m // tile_m) % (2 * EPN)] += 1
     aligned = np.zeros(E + EPN, np.int64)
@@ -65,8 +66,9 @@ def diagnostic_groupings(m: int, tile_m: int) -> dict:
     return {
         "one_group": (one, "all rows in one group: one weight matrix, no partial tiles (the "
                            "kernel against cuBLAS on the same work)"),
-        "tile_aligned": (aligned, "2*epn groups of whole M tiles: the plans' weight traffic "
-                                  "without partial tiles"),
+        "tile_aligned": (aligned, "whole M tiles over up to 2*epn groups, one group per tile "
+                                  "when there are fewer tiles: weight traffic without partial "
+                                  "tiles"),
     }
 
 
