@@ -68,6 +68,11 @@ __device__ int32_t cta_inclusive_scan(int32_t* partial) {
   return partial[kTableThreads - 1];
 }
 
+// Rows per tile of a segment: the overflow kernel has its own CTA tile.
+__device__ int32_t tile_rows(int32_t kind) {
+  return kind == kKindOverflow ? kGmmOverflowTileM : kGmmTileM;
+}
+
 __device__ void write_entry(int32_t* table, int32_t index, int32_t c0, int32_t c1, int32_t c2,
                             int32_t c3) {
   int32_t* entry = table + static_cast<int64_t>(index) * kTableColumns;
@@ -96,7 +101,7 @@ __global__ void __launch_bounds__(kTableThreads)
   for (int32_t s = seg_begin; s < seg_end; ++s) {
     segment_of(cu_seqlens, num_groups, num_experts, first_local, num_local, num_rows, overflow, s,
                kind, start, end, mat);
-    const int32_t tile_m = kind == kKindOverflow ? kGmmOverflowTileM : kGmmTileM;
+    const int32_t tile_m = tile_rows(kind);
     (kind == kKindOverflow ? my_overflow_tiles : my_tiles) += (end - start + tile_m - 1) / tile_m;
   }
   partial[threadIdx.x] = my_tiles;
@@ -108,8 +113,7 @@ __global__ void __launch_bounds__(kTableThreads)
   for (int32_t s = seg_begin; s < seg_end; ++s) {
     segment_of(cu_seqlens, num_groups, num_experts, first_local, num_local, num_rows, overflow, s,
                kind, start, end, mat);
-    const int32_t tile_m = kind == kKindOverflow ? kGmmOverflowTileM : kGmmTileM;
-    for (int32_t row = start; row < end; row += tile_m) {
+    for (int32_t row = start; row < end; row += tile_rows(kind)) {
       if (kind != kKindOverflow) {
         if (tile < max_tiles) write_entry(table, tile, kind, row, end, mat);
         ++tile;

@@ -64,6 +64,27 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 * 40 + 256 * 232 <= 64K registers 
 CONSUMER_BARRIER = 1  # named barrier of the consumer warp groups (0 is __syncthreads)
 
 
+def rows_num_items(c: cute.Tensor, tile_table: cute.Tensor):
+    """Work items of the ragged-M kernels: (table tile, N tile) pairs."""
+    return cute.ceil_div(cute.size(c, mode=[1]), TILE_N) * cute.size(tile_table, mode=[0])
+
+
+def weight_grad_num_items(dw_local: cute.Tensor, dw_slots: cute.Tensor):
+    """Work items of dW: (output matrix, M tile, N tile) triples."""
+    return (cute.ceil_div(cute.size(dw_local, mode=[0]), TILE_M)
+            * cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N)
+            * (cute.size(dw_local, mode=[2]) + cute.size(dw_slots, mode=[2])))
+
+
+def persistent_cta():
+    """(first work item, item stride, warp-uniform warp index, thread index) of this CTA: CTA
+    `b` of a grid of `g` takes items b, b + g, b + 2g, ..."""
+    first_item, _, _ = cute.arch.block_idx()
+    item_stride, _, _ = cute.arch.grid_dim()
+    tidx, _, _ = cute.arch.thread_idx()
+    return first_item, item_stride, cute.arch.make_warp_uniform(cute.arch.warp_idx()), tidx
+
+
 class GroupedGemm:
     """One CTA program for the three grouped GEMMs; `ragged_k` selects dW."""
 
@@ -129,8 +150,7 @@ class GroupedGemm:
         tma_b_slots, tma_tensor_b_slots = self._tma_load(
             b_slots, self.b_smem_staged, (TILE_N, TILE_K))
         self.shared_storage = self._shared_storage()
-        num_items = cute.ceil_div(cute.size(c, mode=[1]), TILE_N) * cute.size(tile_table,
-                                                                              mode=[0])
+        num_items = rows_num_items(c, tile_table)
         self.rows_kernel(
             self.tiled_mma, tma_a, tma_tensor_a, tma_b_local, tma_tensor_b_local, tma_b_slots,
             tma_tensor_b_slots, c, tile_table, mat_extent, self.a_smem_staged,
@@ -173,12 +193,8 @@ class GroupedGemm:
                     tile_table: cute.Tensor, mat_extent: cutlass.Int32,
                     a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout):
         ab_pipeline, sA, sB = self.make_pipeline(a_smem_staged, b_smem_staged)
-        num_items = cute.ceil_div(cute.size(mC, mode=[1]), TILE_N) * cute.size(tile_table,
-                                                                              mode=[0])
-        first_item, _, _ = cute.arch.block_idx()
-        item_stride, _, _ = cute.arch.grid_dim()
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        num_items = rows_num_items(mC, tile_table)
+        first_item, item_stride, warp_idx, tidx = persistent_cta()
         if warp_idx < WARPS_PER_GROUP:
             cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
             if warp_idx == 0:
@@ -240,9 +256,7 @@ class GroupedGemm:
         tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (TILE_M, TILE_K))
         tma_b, tma_tensor_b = self._tma_load(b, self.b_smem_staged, (TILE_N, TILE_K))
         self.shared_storage = self._shared_storage()
-        num_items = (cute.ceil_div(cute.size(dw_local, mode=[0]), TILE_M)
-                     * cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N)
-                     * (cute.size(dw_local, mode=[2]) + cute.size(dw_slots, mode=[2])))
+        num_items = weight_grad_num_items(dw_local, dw_slots)
         self.weight_grad_kernel(
             self.tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, dw_local, dw_slots,
             cu_seqlens, ep_rank, zero_empty_slots, self.a_smem_staged, self.b_smem_staged,
@@ -289,13 +303,8 @@ class GroupedGemm:
                            a_smem_staged: cute.ComposedLayout,
                            b_smem_staged: cute.ComposedLayout):
         ab_pipeline, sA, sB = self.make_pipeline(a_smem_staged, b_smem_staged)
-        num_items = (cute.ceil_div(cute.size(dw_local, mode=[0]), TILE_M)
-                     * cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N)
-                     * (cute.size(dw_local, mode=[2]) + cute.size(dw_slots, mode=[2])))
-        first_item, _, _ = cute.arch.block_idx()
-        item_stride, _, _ = cute.arch.grid_dim()
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        num_items = weight_grad_num_items(dw_local, dw_slots)
+        first_item, item_stride, warp_idx, tidx = persistent_cta()
         if warp_idx < WARPS_PER_GROUP:
             cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
             if warp_idx == 0:
