@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 #include <mma.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -276,8 +277,25 @@ __global__ void __launch_bounds__(kOvThreads) gmm_overflow_kernel(OverflowParams
 
 // Loaded on every device when a transport context is created (lazy loading while a peer spins in
 // a barrier can deadlock).
+// ---- dW: which local experts receive a replica gradient ----------------------------------------
+// flags[j] = 1 when some (rank, slot) of experts_to_copy names local expert j (the same rule as
+// reduce_grad's contribution table); entries naming other ranks' experts or bad ids are ignored
+// here (reduce_grad reports bad ids).
+__global__ void __launch_bounds__(kTableThreads)
+    gmm_replica_flags_kernel(const int32_t* experts_to_copy, int32_t num_copies,
+                             const int32_t* ep_rank, int32_t num_local, int32_t* flags) {
+  for (int32_t j = threadIdx.x; j < num_local; j += kTableThreads) flags[j] = 0;
+  __syncthreads();
+  const int32_t first_local = ep_rank[0] * num_local;
+  for (int32_t i = threadIdx.x; i < num_copies; i += kTableThreads) {
+    const int32_t j = experts_to_copy[i] - first_local;
+    if (j >= 0 && j < num_local) flags[j] = 1;  // every writer stores the same value
+  }
+}
+
 [[maybe_unused]] const int kPreloaded[] = {
     register_kernel_for_preload(as_symbol(&gmm_tile_table_kernel)),
+    register_kernel_for_preload(as_symbol(&gmm_replica_flags_kernel)),
     register_kernel_for_preload(as_symbol(&gmm_overflow_kernel<false>)),
     register_kernel_for_preload(as_symbol(&gmm_overflow_kernel<true>)),
 };
@@ -415,10 +433,17 @@ cudaError_t launch_gmm_rows(const GmmRowsParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launch_gmm_dw(const GmmDwParams& p, cudaStream_t stream) {
-  if (!shapes_supported(p.num_rows, p.d0, p.d1, p.num_local, p.num_slots, p.num_groups))
+  if (!shapes_supported(p.num_rows, p.d0, p.d1, p.num_local, std::max(p.num_slots, 1),
+                        p.num_groups) ||
+      p.num_slots < 0 || (p.num_partials != 0 && p.num_partials != p.num_local))
     return cudaErrorInvalidValue;
   if (cudaError_t e = load_grouped_gemm(); e != cudaSuccess) return e;
   if (cudaError_t e = cutedsl::use_stream_device(stream); e != cudaSuccess) return e;
+  if (p.num_partials > 0) {
+    gmm_replica_flags_kernel<<<1, kTableThreads, 0, stream>>>(
+        p.experts_to_copy, p.num_copies, p.ep_rank, p.num_local, p.replica_flags);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
   // A = x^T (D0, NvS) and B = dy^T (D1, NvS): transposed views of the row-major activations.
   auto a = matrix<moonep_gmm_dw_Tensor_a_t>(p.x, p.num_rows, p.d0, true);
   auto b = matrix<moonep_gmm_dw_Tensor_b_t>(p.dy, p.num_rows, p.d1, true);
@@ -426,15 +451,18 @@ cudaError_t launch_gmm_dw(const GmmDwParams& p, cudaStream_t stream) {
   const int64_t mat_stride = static_cast<int64_t>(p.d0) * p.d1;
   moonep_gmm_dw_Tensor_dw_local_t dw_local = {p.dw_local, {p.d0, p.d1, p.num_local},
                                               {p.d1, mat_stride}};
+  moonep_gmm_dw_Tensor_dw_partial_t dw_partial = {p.dw_partial, {p.d0, p.d1, p.num_partials},
+                                                  {p.d1, mat_stride}};
   moonep_gmm_dw_Tensor_dw_slots_t dw_slots = {p.dw_slots, {p.d0, p.d1, p.num_slots},
                                               {p.d1, mat_stride}};
+  moonep_gmm_dw_Tensor_replica_flags_t flags = {p.replica_flags, {p.num_local}};
   moonep_gmm_dw_Tensor_cu_seqlens_t cu = {const_cast<int32_t*>(p.cu_seqlens), {p.num_groups}};
   moonep_gmm_dw_Tensor_ep_rank_t rank = {const_cast<int32_t*>(p.ep_rank)};
   int32_t ctas = 0;
   if (cudaError_t e = persistent_ctas(&ctas); e != cudaSuccess) return e;
-  const int32_t status = cute_dsl_moonep_gmm_dw_wrapper(dw_module().get(), &a, &b, &dw_local,
-                                                        &dw_slots, &cu, &rank,
-                                                        p.zero_empty_slots ? 1 : 0, ctas, stream);
+  const int32_t status = cute_dsl_moonep_gmm_dw_wrapper(
+      dw_module().get(), &a, &b, &dw_local, &dw_partial, &dw_slots, &flags, &cu, &rank,
+      p.zero_unused_slots ? 1 : 0, ctas, stream);
   if (status != 0) return static_cast<cudaError_t>(status);
   return cudaGetLastError();
 }

@@ -63,24 +63,33 @@ struct GmmRowsParams {
   GroupView group;              // this rank's EP group; used only with `overflow`
 };
 
-// dw_local[j] = x_g^T . dy_g for g = rank*epn + j, dw_slots[b] = x_g^T . dy_g for g = E + b, in
-// fp32; empty groups give zeros.
+// dW of one rank's groups, accumulated in fp32: for g = rank*epn + j, local expert j's
+// x_g^T . dy_g goes to dw_local[j] in bf16, or, when `num_partials` > 0 (= epn) and some entry of
+// `experts_to_copy` names that expert (a replica's gradient will be added to it), in fp32 to
+// dw_partial[j] and dw_local[j] is left for reduce_grad. Slot b's (g = E + b) goes to dw_slots[b]
+// in fp32. Empty groups give zeros, except unused slots with !zero_unused_slots (left unwritten).
 struct GmmDwParams {
-  const void* x;                // [num_rows, D0] bf16
-  const void* dy;               // [num_rows, D1] bf16
-  float* dw_local;              // [epn, D0, D1]
-  float* dw_slots;              // [B, D0, D1]
-  const int32_t* cu_seqlens;    // [G]
-  const int32_t* ep_rank;       // [1]
-  int32_t num_rows, d0, d1, num_local, num_slots, num_groups;
-  bool zero_empty_slots;        // else the matrices of slots without rows are left unwritten
+  const void* x;                  // [num_rows, D0] bf16
+  const void* dy;                 // [num_rows, D1] bf16
+  void* dw_local;                 // [epn, D0, D1] bf16
+  float* dw_partial;              // [num_partials, D0, D1]
+  float* dw_slots;                // [num_slots, D0, D1]
+  int32_t* replica_flags;         // [epn] scratch: local expert j receives a replica gradient
+  const int32_t* experts_to_copy; // [num_copies] = [R, B] flattened
+  const int32_t* cu_seqlens;      // [G]
+  const int32_t* ep_rank;         // [1]
+  int32_t num_rows, d0, d1, num_local;
+  int32_t num_partials;           // epn, or 0: every local expert's gradient is written in bf16
+  int32_t num_slots;              // B, or 0: no slot gradients (R = 1: no slot can be used)
+  int32_t num_copies, num_groups;
+  bool zero_unused_slots;         // else the matrices of slots without rows are left unwritten
 };
 
 // Loads the three exported kernels on every device (once per process). Call at bootstrap.
 cudaError_t load_grouped_gemm();
 
-// Returns cudaErrorInvalidValue for shapes the kernels do not support (D0 or D1 not a multiple
-// of 8, non-positive sizes, with `overflow`: G - B != R * epn).
+// Return cudaErrorInvalidValue for shapes the kernels do not support (D0 or D1 not a multiple
+// of 8, non-positive sizes, with `overflow`: G - B != R * epn; dW: num_partials not 0 or epn).
 cudaError_t launch_gmm_rows(const GmmRowsParams& params, cudaStream_t stream);
 cudaError_t launch_gmm_dw(const GmmDwParams& params, cudaStream_t stream);
 

@@ -1,5 +1,9 @@
 #include "kernels/reduce_grad.h"
 
+#include <cuda_bf16.h>
+
+#include <type_traits>
+
 #include "kernels/dispatch.h"
 
 namespace moonep {
@@ -49,10 +53,28 @@ __device__ Contributions build_contributions(const ReduceGradParams& p, int32_t*
   return c;
 }
 
+// One vector of fp32 sums stored in the result's dtype: as is, or rounded to bf16 (4 bf16 =
+// one 8-byte store for float4).
+template <typename Vec, typename Out>
+__device__ void store_sum(void* g, int64_t index, const Vec& sum) {
+  if constexpr (std::is_same_v<Out, float>) {
+    static_cast<Vec*>(g)[index] = sum;
+  } else {
+    constexpr int kElems = sizeof(Vec) / sizeof(float);
+    const float* x = reinterpret_cast<const float*>(&sum);
+    struct alignas(kElems * sizeof(__nv_bfloat16)) Rounded {
+      __nv_bfloat16 v[kElems];
+    } r;
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) r.v[e] = __float2bfloat16_rn(x[e]);
+    static_cast<Rounded*>(g)[index] = r;
+  }
+}
+
 // Work item = (local expert, chunk of kThreads * kUnroll vectors). Each thread keeps kUnroll fp32
-// accumulators and adds the contributions in the fixed order, loading the kUnroll vectors of one
-// contribution together.
-template <typename Vec>
+// accumulators, starting from g_partial, and adds the contributions in the fixed order, loading
+// the kUnroll vectors of one contribution together.
+template <typename Vec, typename Out>
 __global__ void __launch_bounds__(kThreads) reduce_grad_kernel(ReduceGradParams p) {
   constexpr int kElems = sizeof(Vec) / sizeof(float);
   extern __shared__ int32_t shared[];
@@ -68,16 +90,16 @@ __global__ void __launch_bounds__(kThreads) reduce_grad_kernel(ReduceGradParams 
   const int64_t num_items = chunks_per_expert * p.experts_per_rank;
   for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
     const int le = static_cast<int>(item / chunks_per_expert);
-    // g aliases g_local (the handler checks): an expert no replica contributes to is already its
-    // own sum, and skipping it saves a read and a write of its fp32 gradient.
+    // g already holds the gradient of an expert no replica contributes to (the caller aliases
+    // it): skipping it saves a read and a write.
     if (c.first[le] == c.first[le + 1]) continue;
-    const int64_t offset = le * p.expert_elems;  // of expert le, in floats
+    const int64_t offset = le * p.expert_elems;  // of expert le, in elements
     const int64_t base = (item % chunks_per_expert) * chunk_vecs + threadIdx.x;
     Vec acc[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (base + u * kThreads < expert_vecs)
-        acc[u] = reinterpret_cast<const Vec*>(p.g_local + offset)[base + u * kThreads];
+        acc[u] = reinterpret_cast<const Vec*>(p.g_partial + offset)[base + u * kThreads];
     for (int j = c.first[le]; j < c.first[le + 1]; ++j) {
       const int r = c.contribution[j] / p.num_slots;
       const int b = c.contribution[j] - r * p.num_slots;
@@ -97,27 +119,35 @@ __global__ void __launch_bounds__(kThreads) reduce_grad_kernel(ReduceGradParams 
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (base + u * kThreads < expert_vecs)
-        reinterpret_cast<Vec*>(p.g + offset)[base + u * kThreads] = acc[u];
+        store_sum<Vec, Out>(p.g, offset / kElems + base + u * kThreads, acc[u]);
   }
 }
 
-template <typename Vec>
+template <typename Vec, typename Out>
 cudaError_t launch_reduce(const ReduceGradParams& p, cudaStream_t stream) {
   const size_t shared_bytes =
       sizeof(int32_t) * (p.experts_per_rank + 1 + p.group.num_ranks * p.num_slots);
   if (shared_bytes > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(reduce_grad_kernel<Vec>,
+    const cudaError_t err = cudaFuncSetAttribute(reduce_grad_kernel<Vec, Out>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  static_cast<int>(shared_bytes));
     if (err != cudaSuccess) return err;
   }
-  reduce_grad_kernel<Vec><<<p.num_sms, kThreads, shared_bytes, stream>>>(p);
+  reduce_grad_kernel<Vec, Out><<<p.num_sms, kThreads, shared_bytes, stream>>>(p);
   return cudaGetLastError();
 }
 
+template <typename Out>
+cudaError_t launch_reduce_into(const ReduceGradParams& p, cudaStream_t stream) {
+  return p.expert_elems % 4 == 0 ? launch_reduce<float4, Out>(p, stream)
+                                 : launch_reduce<float, Out>(p, stream);
+}
+
 [[maybe_unused]] const int kPreloaded[] = {
-    register_kernel_for_preload(as_symbol(&reduce_grad_kernel<float4>)),
-    register_kernel_for_preload(as_symbol(&reduce_grad_kernel<float>)),
+    register_kernel_for_preload(as_symbol(&reduce_grad_kernel<float4, float>)),
+    register_kernel_for_preload(as_symbol(&reduce_grad_kernel<float, float>)),
+    register_kernel_for_preload(as_symbol(&reduce_grad_kernel<float4, __nv_bfloat16>)),
+    register_kernel_for_preload(as_symbol(&reduce_grad_kernel<float, __nv_bfloat16>)),
 };
 
 }  // namespace
@@ -125,8 +155,8 @@ cudaError_t launch_reduce(const ReduceGradParams& p, cudaStream_t stream) {
 cudaError_t launch_reduce_grad(const ReduceGradParams& p, cudaStream_t stream) {
   cudaError_t err = launch_entry_rendezvous(p.group, kOpReduceGrad, p.g_slots, nullptr, stream);
   if (err != cudaSuccess) return err;
-  err = p.expert_elems % 4 == 0 ? launch_reduce<float4>(p, stream)
-                                : launch_reduce<float>(p, stream);
+  err = p.g_is_bf16 ? launch_reduce_into<__nv_bfloat16>(p, stream)
+                    : launch_reduce_into<float>(p, stream);
   if (err != cudaSuccess) return err;
   return launch_exit_rendezvous(p.group, kOpReduceGrad, stream);
 }

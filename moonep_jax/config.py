@@ -141,6 +141,13 @@ class EPConfig:
         return -(-rows // tp) * tp
 
     @property
+    def replicas_possible(self) -> bool:
+        """Whether a plan can use a replica slot: only with another rank's experts to copy (R > 1).
+        With R = 1 every slot is unused by construction, so moe_ffn neither fills slots nor
+        reduces their gradients."""
+        return self.num_ranks > 1
+
+    @property
     def trainable(self) -> bool:
         """Gradients can be taken only when every remote expert gets a slot (B == epn)."""
         return self.num_slots == self.epn

@@ -7,7 +7,8 @@ Public ops (per EP rank, inside `jax.shard_map` over `cfg.axis_name`):
   `reduce_grad`     adds every replica's weight gradient to its home rank's gradient.
 
 `_prefetch_xla`, `_reduce_grad_xla`, `_gmm_xla`, `_gmm_dx_xla`, `_gmm_dw_xla` are the pure-JAX
-reference backends (signatures in docs/CONTRACT.md).
+reference backends (signatures in docs/CONTRACT.md); `weight_grad_counts` fixes the shapes of
+the weight gradients both `gmm_dw` backends return.
 
 The xla grouped GEMM computes masked segments: for each candidate group (this rank's experts and
 its slots; every expert when B < epn) one dense product of all NvS rows, kept on the rows of that
@@ -132,20 +133,39 @@ def reduce_grad(g_local: jax.Array, g_slots: jax.Array, plan: Plan, cfg: EPConfi
     return _checks.backend("reduce_grad", cfg)(g_local, g_slots, plan, cfg)
 
 
-def _reduce_grad_xla(g_local: jax.Array, g_slots: jax.Array, plan: Plan,
-                     cfg: EPConfig) -> jax.Array:
-    """Reference reduction: all-gather the slot gradients, add them in (rank, slot) order."""
+def _reduce_grad_xla(g: jax.Array, g_slots: jax.Array, plan: Plan, cfg: EPConfig, *,
+                     g_partial: jax.Array | None = None) -> jax.Array:
+    """Reference reduction: all-gather the slot gradients, add them in (rank, slot) order.
+
+    Each replicated expert's sum starts from `g_partial` (fp32; `g` itself when None) and is
+    rounded to g's dtype once; the other experts keep `g`.
+    """
     R, B, epn = cfg.num_ranks, cfg.num_slots, cfg.epn
     every_slot = lax.all_gather(g_slots, cfg.axis_name).reshape((R * B,) + g_slots.shape[1:])
     local_expert = plan.experts_to_copy.reshape(R * B) - lax.axis_index(cfg.axis_name) * epn
+    replicated = jnp.isin(jnp.arange(epn), local_expert)
 
-    def add_slot(rb, g):
+    def add_slot(rb, sums):
         le = local_expert[rb]
         mine = (le >= 0) & (le < epn)
         le = jnp.clip(le, 0, epn - 1)
-        return g.at[le].set(jnp.where(mine, g[le] + every_slot[rb], g[le]))
+        return sums.at[le].set(jnp.where(mine, sums[le] + every_slot[rb], sums[le]))
 
-    return lax.fori_loop(0, R * B, add_slot, g_local)
+    sums = lax.fori_loop(0, R * B, add_slot, g if g_partial is None else g_partial)
+    return jnp.where(replicated[:, None, None], sums.astype(g.dtype), g)
+
+
+def weight_grad_counts(cfg: EPConfig, for_reduce_grad: bool) -> tuple[int, int]:
+    """`(P, B')`: fp32 partial and slot matrices that `gmm_dw` returns (docs/CONTRACT.md).
+
+    For the public op every local expert's gradient is in the weights' dtype and every slot has
+    one (P = 0, B' = B). For moe_ffn, which reduces replicas next, replicated experts give fp32
+    partials (P = epn) and used slots fp32 gradients (B' = B), and with R = 1, where no slot can
+    be used, neither exists (P = B' = 0).
+    """
+    if not for_reduce_grad:
+        return 0, cfg.num_slots
+    return (cfg.epn, cfg.num_slots) if cfg.replicas_possible else (0, 0)
 
 
 # ---- grouped_matmul -----------------------------------------------------------------------------
@@ -199,8 +219,8 @@ def _grouped_matmul_fwd(x, w_local, w_slots, plan, cfg):
 def _grouped_matmul_bwd(cfg, residuals, d_y):
     x, w_local, w_slots, plan = residuals
     d_x = _checks.backend("gmm_dx", cfg)(d_y, w_local, w_slots, plan, cfg)
-    d_local, d_slots = _checks.backend("gmm_dw", cfg)(x, d_y, plan, cfg)
-    return d_x, d_local.astype(w_local.dtype), d_slots.astype(w_slots.dtype), None
+    d_local, _, d_slots = _checks.backend("gmm_dw", cfg)(x, d_y, plan, cfg)
+    return d_x, d_local, d_slots.astype(w_slots.dtype), None  # x, w_local, w_slots share a dtype
 
 
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
@@ -250,14 +270,16 @@ def _gmm_dx_xla(d_y, w_local, w_slots, plan: Plan, cfg: EPConfig) -> jax.Array:
 
 
 def _gmm_dw_xla(x, d_y, plan: Plan, cfg: EPConfig, *,
-                zero_unused_slots: bool = True) -> tuple[jax.Array, jax.Array]:
+                for_reduce_grad: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reference weight gradients `dW_g = x[rows of g]^T @ dy[rows of g]` (training, B == epn).
 
     Returns:
-      `(dw_local [epn, D0, D1] float32, dw_slots [B, D0, D1] float32)`; unused slots are always
-      zero (which also satisfies `zero_unused_slots=False`: "unspecified").
+      `(dw_local [epn, D0, D1] x.dtype, dw_partial [P, D0, D1] f32, dw_slots [B', D0, D1] f32)`
+      with `(P, B') = weight_grad_counts(cfg, for_reduce_grad)`. With partials, the reference
+      gives every local expert's fp32 gradient (only the replicated ones are specified); unused
+      slots are always zero (which also satisfies "unspecified").
     """
-    del zero_unused_slots
+    num_partials, num_slots = weight_grad_counts(cfg, for_reduce_grad)
     row_group = _row_groups(plan, cfg)
 
     def group_grad(g):
@@ -266,5 +288,5 @@ def _gmm_dw_xla(x, d_y, plan: Plan, cfg: EPConfig, *,
 
     first_own = lax.axis_index(cfg.axis_name) * cfg.epn
     d_local = lax.map(group_grad, first_own + jnp.arange(cfg.epn, dtype=jnp.int32))
-    d_slots = lax.map(group_grad, cfg.num_experts + jnp.arange(cfg.num_slots, dtype=jnp.int32))
-    return d_local, d_slots
+    d_slots = lax.map(group_grad, cfg.num_experts + jnp.arange(num_slots, dtype=jnp.int32))
+    return d_local.astype(x.dtype), d_local[:num_partials], d_slots

@@ -22,9 +22,9 @@ from moonep_jax.plan_types import Plan
 
 _OP = "moonep_jax.moe_ffn"
 _F32 = jnp.float32
-# Backend keyword of prefetch and gmm_dw: unused replica slots (and their gradients) are left
-# unwritten. The layer's GEMMs and reduce_grad read only used slots, and zeroing all B = epn slots
-# of a training layer moves more bytes than the replicas themselves.
+# Backend keyword of prefetch: unused replica slots are left unwritten. The layer's GEMMs read only
+# used slots, and zeroing all B = epn slots of a training layer moves more bytes than the replicas
+# themselves (gmm_dw with for_reduce_grad leaves unused slot gradients unwritten likewise).
 _USED_SLOTS_ONLY = {"zero_unused_slots": False}
 
 
@@ -96,7 +96,11 @@ def _moe_ffn(x, topk_w, w_gate_up, w_down, plan, cfg):
 
 
 def _slot_prefetch(plan: Plan, cfg: EPConfig):
-    """`w -> w_slots` of this plan, used slots only."""
+    """`w -> w_slots` of this plan, used slots only. With R = 1 no slot is ever used (no other
+    rank's experts exist), so nothing is copied: `w` itself stands in for the slots, whose groups
+    are empty, and no slot memory is allocated."""
+    if not cfg.replicas_possible:
+        return lambda w: w
     impl = _checks.backend("prefetch", cfg)
     return lambda w: impl(w, plan, cfg, **_USED_SLOTS_ONLY)
 
@@ -112,6 +116,20 @@ def _forward(x, topk_w, w_gate_up, w_down, plan: Plan, cfg: EPConfig):
     y = op("gmm")(_swiglu(h), w_down, slots_down, plan, cfg)     # [NvS, H]
     out = op("combine")(_scale_rows(y, recv_w), plan, cfg)
     return out, (recv_x, recv_w, h, y)
+
+
+def _weight_grad(x, d_y, plan: Plan, cfg: EPConfig) -> jax.Array:
+    """The complete gradient of one projection's local experts, in the weights' dtype.
+
+    gmm_dw writes each expert that no slot replicates straight in the weights' dtype; a
+    replicated expert's fp32 partial is then summed with its replicas' fp32 slot gradients in
+    reduce_grad's fixed order and rounded once. No pass over all experts' gradients follows.
+    """
+    op = functools.partial(_checks.backend, cfg=cfg)
+    d_local, d_partial, d_slots = op("gmm_dw")(x, d_y, plan, cfg, for_reduce_grad=True)
+    if not cfg.replicas_possible:
+        return d_local
+    return op("reduce_grad")(d_local, d_slots, plan, cfg, g_partial=d_partial)
 
 
 def _moe_ffn_fwd(x, topk_w, w_gate_up, w_down, plan, cfg):
@@ -136,20 +154,16 @@ def _moe_ffn_bwd(cfg, residuals, d_out):
     w_down, d_y = lax.optimization_barrier((w_down, d_y))
     slots_down = prefetch(w_down)
     d_act = op("gmm_dx")(d_y, w_down, slots_down, plan, cfg)        # [NvS, F]
-    gmm_dw = functools.partial(op("gmm_dw"), plan=plan, cfg=cfg, **_USED_SLOTS_ONLY)
-    d_down_local, d_down_slots = gmm_dw(_swiglu(h), d_y)
+    d_w_down = _weight_grad(_swiglu(h), d_y, plan, cfg)
     d_h = _swiglu_grad(h, d_act)                                    # [NvS, 2F]
     w_gate_up, d_h = lax.optimization_barrier((w_gate_up, d_h))
     slots_gate_up = prefetch(w_gate_up)
     d_recv_x = op("gmm_dx")(d_h, w_gate_up, slots_gate_up, plan, cfg)
-    d_gate_up_local, d_gate_up_slots = gmm_dw(recv_x, d_h)
+    d_w_gate_up = _weight_grad(recv_x, d_h, plan, cfg)
 
     d_x = op("combine")(d_recv_x, plan, cfg)
     d_topk_w = op("combine_weights")(d_recv_w, plan, cfg)
-    d_w_gate_up = op("reduce_grad")(d_gate_up_local, d_gate_up_slots, plan, cfg)
-    d_w_down = op("reduce_grad")(d_down_local, d_down_slots, plan, cfg)
-    return (d_x, d_topk_w, d_w_gate_up.astype(w_gate_up.dtype), d_w_down.astype(w_down.dtype),
-            None)  # the plan is integer: no cotangent
+    return d_x, d_topk_w, d_w_gate_up, d_w_down, None  # the plan is integer: no cotangent
 
 
 _moe_ffn.defvjp(_moe_ffn_fwd, _moe_ffn_bwd)

@@ -285,6 +285,51 @@ def test_reduce_grad_bitwise_equal_to_xla_and_rank_slot_order(mesh, seed, maxvio
     np.testing.assert_array_equal(np.asarray(out["cuda"]), expected)
 
 
+@pytest.mark.parametrize("maxvio", (1.0, 20.0))
+def test_reduce_grad_into_bf16_from_partials_bitwise_equal_to_xla(mesh, seed, maxvio):
+    """moe_ffn's reduce_grad: replicated experts' sums start from fp32 partials and are rounded
+    to bf16 once, written over the bf16 gradient; every other expert keeps its bf16 matrix."""
+    from moonep_jax._cuda.comm import reduce_grad_impl
+    from moonep_jax.experts import _reduce_grad_xla
+
+    R = mesh.devices.size
+    cfgs = _configs(R)
+    epn, B = cfgs["xla"].epn, cfgs["xla"].num_slots
+    rng = np.random.default_rng(seed)
+    topk_idx = _routing(seed, R, maxvio, cfgs["xla"])
+
+    def spread(n):
+        scale = np.exp2(rng.integers(-20, 20, (n, 1, 1)))
+        return (rng.standard_normal((n, 8, 12)) * scale).astype(np.float32)
+
+    g_partial, g_slots = spread(R * epn), spread(R * B)
+    g = spread(R * epn).astype(jnp.bfloat16)
+    impls = {"xla": _reduce_grad_xla, "cuda": reduce_grad_impl}
+
+    def per_rank(topk_idx, g, g_partial, g_slots):
+        p = plan(topk_idx, cfgs["xla"])
+        out = {name: impl(g, g_slots, p, cfgs[name], g_partial=g_partial)
+               for name, impl in impls.items()}
+        return _stack((out, p.experts_to_copy))
+
+    out, experts_to_copy = _per_rank(per_rank, mesh)(topk_idx, g, g_partial, g_slots)
+    np.testing.assert_array_equal(np.asarray(out["cuda"]), np.asarray(out["xla"]))
+    experts_to_copy = np.asarray(experts_to_copy)[0]
+    sums = g_partial.reshape(R, epn, 8, 12).copy()
+    expected = np.asarray(g).reshape(R, epn, 8, 12).copy()
+    slots = g_slots.reshape(R, B, 8, 12)
+    replicated = np.zeros((R, epn), bool)
+    for r in range(R):
+        for b in range(B):
+            e = experts_to_copy[r, b]
+            if e >= 0:
+                sums[e // epn, e % epn] += slots[r, b]  # fp32, (rank, slot) ascending
+                replicated[e // epn, e % epn] = True
+    expected[replicated] = sums[replicated].astype(jnp.bfloat16)
+    assert replicated.any() == (R > 1)  # R = 1: nothing to add, every expert kept
+    np.testing.assert_array_equal(np.asarray(out["cuda"]).reshape(R, epn, 8, 12), expected)
+
+
 # ---- gradients, repeated calls, layers in a scan -----------------------------------------------
 
 

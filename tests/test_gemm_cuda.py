@@ -1,6 +1,5 @@
 """The CuTe DSL kernels (zero_rows, grouped GEMM forward / dX / dW) against jnp, on one GPU."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -132,34 +131,64 @@ def test_gmm_forward_and_dx_match_fp32_reference(seed, case, num_rows, d0, d1):
     _assert_bf16_close(dx, dx_ref)
 
 
+def _experts_to_copy(rng, replicated):
+    """An `[R, B]` table whose slots name exactly this rank's local experts `replicated` (and
+    other ranks' experts, which must not count), -1 elsewhere."""
+    table = np.full((NUM_RANKS, EPN), -1, np.int32)
+    table[0, :len(replicated)] = RANK * EPN + np.asarray(replicated, np.int32)
+    table[1 - RANK, -1] = (1 - RANK) * EPN  # another rank's expert
+    return table[:, rng.permutation(EPN)]
+
+
 @pytest.mark.parametrize("num_rows,d0,d1", SHAPES)
 @pytest.mark.parametrize("case", CASES)
 def test_gmm_dw_matches_fp32_reference(seed, case, num_rows, d0, d1):
+    """dW in its three layouts: fp32 partials of every local expert (all replicated) against an
+    fp32 reference; then the public layout (every local expert in bf16) and moe_ffn's (bf16 for
+    the experts nobody replicates, fp32 partials for the others, R = 1: no slots) must hold the
+    same accumulators, rounded once, bit for bit."""
     from moonep_jax._cuda.gemm import grouped_matmul_dw
 
+    rng = np.random.default_rng(seed + 1)
     cu_seqlens, x, dy, _, _ = _inputs(seed, case, num_rows, d0, d1)
     rank = np.array([RANK], np.int32)
-    dw_local, dw_slots = jax.jit(grouped_matmul_dw, static_argnums=(4, 5))(
-        x, dy, cu_seqlens, rank, EPN, EPN)
+    dw = jax.jit(grouped_matmul_dw, static_argnums=(5, 6, 7),
+                 static_argnames="zero_unused_slots")
+    every = _experts_to_copy(rng, np.arange(EPN))
+    _, partial_all, slots = dw(x, dy, cu_seqlens, rank, every, EPN, EPN, EPN)
+    partial_all, slots = np.asarray(partial_all), np.asarray(slots)
     starts = np.concatenate([[0], cu_seqlens[:-1]])
     xf, dyf = x.astype(np.float32), dy.astype(np.float32)
     ref = lambda g: xf[starts[g]:cu_seqlens[g]].T @ dyf[starts[g]:cu_seqlens[g]]  # noqa: E731
     for j in range(EPN):
-        for out, g in ((dw_local[j], RANK * EPN + j), (dw_slots[j], NUM_EXPERTS + j)):
-            out, expected = np.asarray(out), ref(g)
+        for out, g in ((partial_all[j], RANK * EPN + j), (slots[j], NUM_EXPERTS + j)):
+            expected = ref(g)
             if cu_seqlens[g] == starts[g]:
                 assert (out == 0).all(), f"empty group {g} must give zeros"
                 continue
             scale = np.sqrt(np.mean(expected ** 2)) + 1e-30
-            assert np.abs(out - expected).max() <= 1e-3 * scale * max(1, cu_seqlens[g] - starts[g]) ** 0.5, g
-    # moe_ffn's variant leaves empty slots unwritten and must not change any written matrix.
-    used_local, used_slots = jax.jit(
-        functools.partial(grouped_matmul_dw, zero_empty_slots=False), static_argnums=(4, 5))(
-        x, dy, cu_seqlens, rank, EPN, EPN)
-    np.testing.assert_array_equal(np.asarray(used_local), np.asarray(dw_local))
+            rows = cu_seqlens[g] - starts[g]
+            assert np.abs(out - expected).max() <= 1e-3 * scale * max(1, rows) ** 0.5, g
+    rounded = partial_all.astype(jnp.bfloat16)
+
+    public_local, no_partials, public_slots = dw(x, dy, cu_seqlens, rank, every, EPN, 0, EPN)
+    assert no_partials.shape == (0, d0, d1) and public_local.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(public_local), rounded)
+    np.testing.assert_array_equal(np.asarray(public_slots), slots)
+
+    replicated = np.sort(rng.choice(EPN, size=int(rng.integers(1, EPN)), replace=False))
+    others = np.setdiff1d(np.arange(EPN), replicated)
+    table = _experts_to_copy(rng, replicated)
+    local, partial, used_slots = dw(x, dy, cu_seqlens, rank, table, EPN, EPN, EPN,
+                                    zero_unused_slots=False)
+    np.testing.assert_array_equal(np.asarray(local)[others], rounded[others])
+    np.testing.assert_array_equal(np.asarray(partial)[replicated], partial_all[replicated])
     slot_rows = cu_seqlens[NUM_EXPERTS:] - starts[NUM_EXPERTS:]
-    np.testing.assert_array_equal(np.asarray(used_slots)[slot_rows > 0],
-                                  np.asarray(dw_slots)[slot_rows > 0])
+    np.testing.assert_array_equal(np.asarray(used_slots)[slot_rows > 0], slots[slot_rows > 0])
+
+    local_only, none_partial, none_slots = dw(x, dy, cu_seqlens, rank, table, EPN, 0, 0)
+    assert none_partial.shape[0] == 0 and none_slots.shape[0] == 0
+    np.testing.assert_array_equal(np.asarray(local_only), rounded)
 
 
 def test_gmm_dw_refuses_inference_overflow_configs():

@@ -227,10 +227,12 @@ def test_weight_shapes_and_dtypes_are_checked(mesh_factory):
         trace_layer(cfg, mesh, weights(cfg, jnp.bfloat16))
 
 
-def test_layer_reads_no_unused_replica_slot(mesh_factory, seed, monkeypatch):
-    """moe_ffn asks prefetch and gmm_dw for used slots only (`zero_unused_slots=False`): here the
-    xla backends then fill every unused slot with NaN, a legal "unspecified", and the layer's
-    output and gradients must still match the dense reference."""
+def test_layer_reads_no_unspecified_weight_or_gradient(mesh_factory, seed, monkeypatch):
+    """moe_ffn asks prefetch for used slots only (`zero_unused_slots=False`) and gmm_dw for the
+    reduce_grad layout (`for_reduce_grad=True`: unused slot gradients, the weights'-dtype matrices
+    of replicated experts and the fp32 partials of the others are unspecified): here the xla
+    backends fill all of those with NaN, a legal "unspecified", and the layer's output and
+    gradients must still match the dense reference."""
     import inspect
 
     from jax import lax
@@ -238,27 +240,43 @@ def test_layer_reads_no_unused_replica_slot(mesh_factory, seed, monkeypatch):
     from moonep_jax import experts
 
     poisoned_ops = []
+    prefetch_xla, gmm_dw_xla = experts._prefetch_xla, experts._gmm_dw_xla
 
-    def poisoning(backend):
-        def poisoned(*args, zero_unused_slots=True, **kwargs):
-            out = backend(*args, **kwargs)
-            if zero_unused_slots:
-                return out
-            poisoned_ops.append(backend.__name__)
-            bound = inspect.signature(backend).bind(*args, **kwargs).arguments
-            cfg = bound["cfg"]
-            used = bound["plan"].experts_to_copy[lax.axis_index(cfg.axis_name)] >= 0  # [B]
-            nan_unused = lambda s: jnp.where(used[:, None, None], s, jnp.nan)  # noqa: E731
-            return (out[0], nan_unused(out[1])) if isinstance(out, tuple) else nan_unused(out)
+    def arguments(backend, args, kwargs):
+        bound = inspect.signature(backend).bind(*args, **kwargs).arguments
+        cfg = bound["cfg"]
+        return cfg, bound["plan"].experts_to_copy, lax.axis_index(cfg.axis_name)
 
-        return poisoned
+    def nan_where(keep, a):
+        return jnp.where(keep[:, None, None], a, jnp.nan)
 
-    monkeypatch.setattr(experts, "_prefetch_xla", poisoning(experts._prefetch_xla))
-    monkeypatch.setattr(experts, "_gmm_dw_xla", poisoning(experts._gmm_dw_xla))
+    def poisoned_prefetch(*args, zero_unused_slots=True, **kwargs):
+        out = prefetch_xla(*args, **kwargs)
+        if zero_unused_slots:
+            return out
+        poisoned_ops.append("prefetch")
+        _, experts_to_copy, rank = arguments(prefetch_xla, args, kwargs)
+        return nan_where(experts_to_copy[rank] >= 0, out)
+
+    def poisoned_gmm_dw(*args, for_reduce_grad=False, **kwargs):
+        d_local, d_partial, d_slots = gmm_dw_xla(*args, for_reduce_grad=for_reduce_grad, **kwargs)
+        if not for_reduce_grad:
+            return d_local, d_partial, d_slots
+        poisoned_ops.append("gmm_dw")
+        cfg, experts_to_copy, rank = arguments(gmm_dw_xla, args, kwargs)
+        replicated = jnp.isin(rank * cfg.epn + jnp.arange(cfg.epn), experts_to_copy)
+        if d_partial.shape[0]:
+            d_partial = nan_where(replicated, d_partial)
+        if d_slots.shape[0]:
+            d_slots = nan_where(experts_to_copy[rank] >= 0, d_slots)
+        return nan_where(~replicated, d_local), d_partial, d_slots
+
+    monkeypatch.setattr(experts, "_prefetch_xla", poisoned_prefetch)
+    monkeypatch.setattr(experts, "_gmm_dw_xla", poisoned_gmm_dw)
     cfg = make_config(2, S=8, E=8)
     args = inputs(seed, cfg)
     assert_matches(jax.jit(ep_moe(cfg, mesh_factory(2))), dense_moe, args)
-    assert {"_prefetch_xla", "_gmm_dw_xla"} <= set(poisoned_ops)
+    assert {"prefetch", "gmm_dw"} <= set(poisoned_ops)
     # The routing must leave some slots unused and use some, or the poison proves nothing.
     p = jax.jit(jax.shard_map(lambda idx: plan(idx, cfg).experts_to_copy, mesh=mesh_factory(2),
                               in_specs=P("ep"), out_specs=P("ep")))(args[1])

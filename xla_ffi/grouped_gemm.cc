@@ -148,35 +148,49 @@ ffi::Error GmmDxImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ff
 
 ffi::Error GmmDwImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> dy,
                      ffi::Buffer<ffi::S32> cu_seqlens, ffi::Buffer<ffi::S32> ep_rank,
-                     ffi::ResultBuffer<ffi::F32> dw_local, ffi::ResultBuffer<ffi::F32> dw_slots,
-                     int32_t zero_empty_slots) {
+                     ffi::Buffer<ffi::S32> experts_to_copy, ffi::ResultBuffer<ffi::BF16> dw_local,
+                     ffi::ResultBuffer<ffi::F32> dw_partial, ffi::ResultBuffer<ffi::F32> dw_slots,
+                     ffi::ResultBuffer<ffi::S32> replica_flags, int32_t zero_unused_slots) {
   constexpr const char* kTarget = "moonep_gmm_dw";
   auto xd = x.dimensions(), dyd = dy.dimensions(), wl = dw_local->dimensions();
   if (xd.size() != 2) return shape_error(kTarget, "x", "[NvS, D0]", xd);
   if (dyd.size() != 2 || dyd[0] != xd[0]) return shape_error(kTarget, "dy", "[NvS, D1]", dyd);
   if (!has_shape(wl, {wl.size() == 3 ? wl[0] : -1, xd[1], dyd[1]}))
     return shape_error(kTarget, "dw_local", "[epn, D0, D1]", wl);
+  const int64_t epn = wl[0];
+  auto wp = dw_partial->dimensions();
+  if (!has_shape(wp, {wp.size() == 3 && wp[0] == 0 ? 0 : epn, xd[1], dyd[1]}))
+    return shape_error(kTarget, "dw_partial", "[epn or 0, D0, D1]", wp);
   auto ws = dw_slots->dimensions();
   if (!has_shape(ws, {ws.size() == 3 ? ws[0] : -1, xd[1], dyd[1]}))
-    return shape_error(kTarget, "dw_slots", "[B, D0, D1]", ws);
+    return shape_error(kTarget, "dw_slots", "[B or 0, D0, D1]", ws);
   if (cu_seqlens.dimensions().size() != 1)
     return shape_error(kTarget, "cu_seqlens", "[G]", cu_seqlens.dimensions());
   if (ep_rank.element_count() != 1)
     return shape_error(kTarget, "ep_rank", "[1]", ep_rank.dimensions());
+  if (experts_to_copy.dimensions().size() != 2)
+    return shape_error(kTarget, "experts_to_copy", "[R, B]", experts_to_copy.dimensions());
+  if (!has_shape(replica_flags->dimensions(), {epn}))
+    return shape_error(kTarget, "replica_flags", "[epn]", replica_flags->dimensions());
   const moonep::GmmDwParams params{
       .x = x.untyped_data(),
       .dy = dy.untyped_data(),
-      .dw_local = dw_local->typed_data(),
+      .dw_local = dw_local->untyped_data(),
+      .dw_partial = dw_partial->typed_data(),
       .dw_slots = dw_slots->typed_data(),
+      .replica_flags = replica_flags->typed_data(),
+      .experts_to_copy = experts_to_copy.typed_data(),
       .cu_seqlens = cu_seqlens.typed_data(),
       .ep_rank = ep_rank.typed_data(),
       .num_rows = static_cast<int32_t>(xd[0]),
       .d0 = static_cast<int32_t>(xd[1]),
       .d1 = static_cast<int32_t>(dyd[1]),
-      .num_local = static_cast<int32_t>(wl[0]),
+      .num_local = static_cast<int32_t>(epn),
+      .num_partials = static_cast<int32_t>(wp[0]),
       .num_slots = static_cast<int32_t>(ws[0]),
+      .num_copies = static_cast<int32_t>(experts_to_copy.element_count()),
       .num_groups = static_cast<int32_t>(cu_seqlens.dimensions()[0]),
-      .zero_empty_slots = zero_empty_slots != 0,
+      .zero_unused_slots = zero_unused_slots != 0,
   };
   if (cudaError_t e = moonep::launch_gmm_dw(params, stream); e != cudaSuccess)
     return cuda_error(kTarget, e);
@@ -212,6 +226,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmDw, GmmDwImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // dy [NvS, D1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_seqlens [G]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // ep_rank [1]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // dw_local [epn, D0, D1]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // dw_slots [B, D0, D1]
-                                  .Attr<int32_t>("zero_empty_slots"));
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // experts_to_copy [R, B]
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // dw_local [epn, D0, D1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dw_partial [epn | 0, D0, D1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dw_slots [B | 0, D0, D1]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // replica_flags scratch [epn]
+                                  .Attr<int32_t>("zero_unused_slots"));

@@ -1,5 +1,5 @@
 // XLA FFI handler `moonep_reduce_grad`: check buffers against each other, find this device's EP
-// group, launch the zero-copy reduction of replica gradients (kernels/reduce_grad.cu).
+// group, launch the zero-copy reduction of replica gradients into `g` (kernels/reduce_grad.cu).
 #include <cuda_runtime.h>
 
 #include <string>
@@ -26,33 +26,43 @@ bool same_trailing_dims(ffi::Span<const int64_t> dims, int64_t leading,
   return true;
 }
 
-ffi::Error ReduceGradExecute(cudaStream_t stream, int32_t device_ordinal,
-                             ffi::Buffer<ffi::F32> g_local, ffi::Buffer<ffi::F32> g_slots,
-                             ffi::Buffer<ffi::S32> experts_to_copy,
-                             ffi::Result<ffi::Buffer<ffi::F32>> g,
+ffi::Error ReduceGradExecute(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer g_in,
+                             ffi::Buffer<ffi::F32> g_partial, ffi::Buffer<ffi::F32> g_slots,
+                             ffi::Buffer<ffi::S32> experts_to_copy, ffi::Result<ffi::AnyBuffer> g,
                              ffi::Span<const int32_t> mesh_ordinals, int32_t num_ranks,
                              int32_t num_sms, int64_t timeout_ns) {
-  const auto local_dims = g_local.dimensions();
+  const auto local_dims = g_in.dimensions();
   if (local_dims.size() < 1 || local_dims[0] < 1)
-    return shape_error(kOp, "g_local", "[epn, ...] with epn >= 1", local_dims);
+    return shape_error(kOp, "g", "[epn, ...] with epn >= 1", local_dims);
   const int64_t epn = local_dims[0];
+  const bool g_is_bf16 = g_in.element_type() == ffi::DataType::BF16;
+  if (!g_is_bf16 && g_in.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": `g` must be float32 or bfloat16");
+  // Without partials (a [0, ...] operand) g itself holds the fp32 first terms.
+  const bool partials_in_g = g_partial.dimensions().size() >= 1 && g_partial.dimensions()[0] == 0;
+  if (partials_in_g && g_is_bf16)
+    return ffi::Error::InvalidArgument(std::string(kOp) +
+                                       ": a bfloat16 `g` needs fp32 `g_partial` [epn, ...]");
+  if (!partials_in_g && !same_trailing_dims(g_partial.dimensions(), epn, local_dims))
+    return shape_error(kOp, "g_partial", "[0, ...] or g's " + dims_str(local_dims),
+                       g_partial.dimensions());
   const auto e2c_dims = experts_to_copy.dimensions();
   if (e2c_dims.size() != 2 || e2c_dims[0] != num_ranks || e2c_dims[1] < 1)
     return shape_error(kOp, "experts_to_copy", "[R, B] with R = " + std::to_string(num_ranks), e2c_dims);
   const int64_t B = e2c_dims[1];
   if (!same_trailing_dims(g_slots.dimensions(), B, local_dims))
     return shape_error(kOp, "g_slots",
-                       "[B, ...] with B = " + std::to_string(B) + " and g_local's trailing dims " +
+                       "[B, ...] with B = " + std::to_string(B) + " and g's trailing dims " +
                            dims_str(local_dims),
                        g_slots.dimensions());
-  if (!same_trailing_dims(g->dimensions(), epn, local_dims))
-    return shape_error(kOp, "g", "g_local's " + dims_str(local_dims), g->dimensions());
+  if (g->element_type() != g_in.element_type() || !same_trailing_dims(g->dimensions(), epn, local_dims))
+    return shape_error(kOp, "result", "g's " + dims_str(local_dims) + " and dtype", g->dimensions());
 
-  // The kernel writes only the experts that receive contributions: the rest of `g` must already
-  // hold g_local (jax's ffi_call aliases them, input_output_aliases={0: 0}).
-  if (g->typed_data() != g_local.typed_data())
+  // The kernel writes only the experts that receive contributions: the rest of the result must
+  // already hold g (jax's ffi_call aliases them, input_output_aliases={0: 0}).
+  if (g->untyped_data() != g_in.untyped_data())
     return ffi::Error::InvalidArgument(
-        std::string(kOp) + ": the result g must alias g_local (call it with "
+        std::string(kOp) + ": the result must alias g (call it with "
         "input_output_aliases={0: 0}, as moonep_jax._cuda.comm.reduce_grad_impl does)");
 
   auto group = moonep::group_view(device_ordinal, mesh_ordinals, num_ranks);
@@ -60,11 +70,13 @@ ffi::Error ReduceGradExecute(cudaStream_t stream, int32_t device_ordinal,
   group->timeout_ns = static_cast<uint64_t>(timeout_ns);
   const moonep::ReduceGradParams params{
       .group = *group,
-      .g_local = g_local.typed_data(),
+      .g_partial = partials_in_g ? static_cast<const float*>(g_in.untyped_data())
+                                 : g_partial.typed_data(),
       .g_slots = g_slots.typed_data(),
       .experts_to_copy = experts_to_copy.typed_data(),
-      .g = g->typed_data(),
-      .expert_elems = static_cast<int64_t>(g_local.element_count()) / epn,
+      .g = g->untyped_data(),
+      .g_is_bf16 = g_is_bf16,
+      .expert_elems = static_cast<int64_t>(g_in.element_count()) / epn,
       .experts_per_rank = static_cast<int32_t>(epn),
       .num_slots = static_cast<int32_t>(B),
       .num_sms = num_sms,
@@ -79,10 +91,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepReduceGrad, ReduceGradExecute,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // g_local [epn, D0, D1] f32
+                                  .Arg<ffi::AnyBuffer>()         // g [epn, D0, D1] f32 | bf16
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // g_partial [epn | 0, D0, D1]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // g_slots [B, D0, D1] f32
                                   .Arg<ffi::Buffer<ffi::S32>>()  // experts_to_copy [R, B] i32
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // g [epn, D0, D1] f32
+                                  .Ret<ffi::AnyBuffer>()         // g (aliased)
                                   .Attr<ffi::Span<const int32_t>>("mesh_ordinals")
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("num_sms")

@@ -4,8 +4,9 @@ Three exported kernels share one CTA program (`GroupedGemm`):
 
 - `moonep_gmm_fwd`  `y [NvS, D1] = x [NvS, D0] . W_g`, rows grouped (ragged M);
 - `moonep_gmm_dx`   `dx [NvS, D0] = dy [NvS, D1] . W_g^T`, rows grouped (ragged M);
-- `moonep_gmm_dw`   `dW_g [D0, D1] = x_g^T . dy_g` in fp32, one output matrix per local expert
-  and per slot (ragged K).
+- `moonep_gmm_dw`   `dW_g [D0, D1] = x_g^T . dy_g`, one output matrix per local expert and per
+  slot (ragged K), accumulated in fp32 and stored in bf16 for the local experts no replica
+  contributes to, in fp32 for the others (partials that reduce_grad completes) and the slots.
 
 Ragged M: a tile table `[T, 4] int32` (built on the device by kernels/grouped_gemm.cu) gives, per
 M tile, `(kind, row_start, row_end, mat)`: kind 0 multiplies rows `[row_start, row_end)` by
@@ -19,9 +20,13 @@ TMA coordinates to matrix `mat`.
 Ragged K (dW): output matrix `j < epn` is local expert `home*epn + j` (group `home*epn + j`),
 `j >= epn` is slot `j - epn` (group `E + j - epn`); the K loop runs over the group's rows. The
 last K tile of a group also loads rows of the next group: they are zeroed in shared memory before
-the WGMMAs read it. An empty group runs no K tile and writes zeros, except an empty slot group
-when `zero_empty_slots` is 0: it writes nothing (moe_ffn never reads an unused slot's gradient,
-and zeroing B = epn fp32 slot matrices costs more than the slots that hold rows).
+the WGMMAs read it. Local expert `j` goes to `dw_local[j]` (bf16, rounded from the fp32
+accumulators) unless `replica_flags[j]` is set and `dw_partial` has matrices: then its fp32 sum
+goes to `dw_partial[j]`, the first term of reduce_grad's fixed-order sum, and `dw_local[j]` is left
+for reduce_grad to write. So an expert without replicas is written once, in bf16, and nothing
+else in the step touches it. An empty group runs no K tile and writes zeros, except an empty slot
+group when `zero_unused_slots` is 0: it writes nothing (moe_ffn never reads an unused slot's
+gradient, and zeroing B = epn fp32 slot matrices costs more than the slots that hold rows).
 
 The CTA program is persistent and warp-specialised: one CTA per SM walks the work items (tiles)
 with a grid stride; warp 0 of warp group 0 (registers given back) issues the TMA loads of every
@@ -241,15 +246,18 @@ class GroupedGemm:
 
     @cute.jit
     def weight_grad(self, a: cute.Tensor, b: cute.Tensor, dw_local: cute.Tensor,
-                    dw_slots: cute.Tensor, cu_seqlens: cute.Tensor, ep_rank: cute.Tensor,
-                    zero_empty_slots: cutlass.Int32, num_ctas: cutlass.Int32,
+                    dw_partial: cute.Tensor, dw_slots: cute.Tensor, replica_flags: cute.Tensor,
+                    cu_seqlens: cute.Tensor, ep_rank: cute.Tensor,
+                    zero_unused_slots: cutlass.Int32, num_ctas: cutlass.Int32,
                     stream: cuda.CUstream):
         """`dw_*[j] = a[:, rows of group] . b[:, rows of group]^T` for every local expert and slot.
 
-        `a [D0, NvS]` (x^T), `b [D1, NvS]` (dy^T), `dw_local [D0, D1, epn]`,
-        `dw_slots [D0, D1, B]` fp32; `cu_seqlens [G]`; `ep_rank [1]` int32 (this rank, read on
-        the device: local expert j is group `ep_rank * epn + j`); `zero_empty_slots` 0 leaves
-        the matrices of slots without rows unwritten; `num_ctas` persistent CTAs share the
+        `a [D0, NvS]` (x^T), `b [D1, NvS]` (dy^T), `dw_local [D0, D1, epn]` bf16,
+        `dw_partial [D0, D1, P]` fp32 with P = epn or 0, `dw_slots [D0, D1, B']` fp32 with
+        B' = B or 0; `replica_flags [epn]` int32 (local expert j's sum goes to `dw_partial[j]`
+        when set and P > 0); `cu_seqlens [G]`; `ep_rank [1]` int32 (this rank, read on the
+        device: local expert j is group `ep_rank * epn + j`); `zero_unused_slots` 0 leaves the
+        matrices of slots without rows unwritten; `num_ctas` persistent CTAs share the
         (matrix, M tile, N tile) work items.
         """
         self._setup(a, b)
@@ -258,15 +266,16 @@ class GroupedGemm:
         self.shared_storage = self._shared_storage()
         num_items = weight_grad_num_items(dw_local, dw_slots)
         self.weight_grad_kernel(
-            self.tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, dw_local, dw_slots,
-            cu_seqlens, ep_rank, zero_empty_slots, self.a_smem_staged, self.b_smem_staged,
+            self.tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, dw_local, dw_partial,
+            dw_slots, replica_flags, cu_seqlens, ep_rank, zero_unused_slots, self.a_smem_staged,
+            self.b_smem_staged,
         ).launch(grid=(cutlass.min(num_ctas, num_items), 1, 1), block=(self.num_threads, 1, 1),
                  stream=stream)
 
     @cute.jit
     def weight_grad_item(self, item: cutlass.Int32, mA: cute.Tensor, mB: cute.Tensor,
                          dw_local: cute.Tensor, dw_slots: cute.Tensor, cu_seqlens: cute.Tensor,
-                         ep_rank: cute.Tensor, zero_empty_slots: cutlass.Int32):
+                         ep_rank: cute.Tensor, zero_unused_slots: cutlass.Int32):
         """Work item -> (has_work, mat, m_tile, n_tile, rows, K tiles, gA, gB)."""
         num_m_tiles = cute.ceil_div(cute.size(dw_local, mode=[0]), TILE_M)
         num_n_tiles = cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N)
@@ -284,7 +293,7 @@ class GroupedGemm:
         num_rows = cu_seqlens[group] - row_start
         # An empty slot whose matrix need not be zeroed has nothing to do.
         has_work = 1
-        if zero_empty_slots == 0:
+        if zero_unused_slots == 0:
             if mat >= num_local:
                 if num_rows == 0:
                     has_work = 0
@@ -298,8 +307,9 @@ class GroupedGemm:
     @cute.kernel
     def weight_grad_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
                            tma_b: cute.CopyAtom, mB: cute.Tensor, dw_local: cute.Tensor,
-                           dw_slots: cute.Tensor, cu_seqlens: cute.Tensor,
-                           ep_rank: cute.Tensor, zero_empty_slots: cutlass.Int32,
+                           dw_partial: cute.Tensor, dw_slots: cute.Tensor,
+                           replica_flags: cute.Tensor, cu_seqlens: cute.Tensor,
+                           ep_rank: cute.Tensor, zero_unused_slots: cutlass.Int32,
                            a_smem_staged: cute.ComposedLayout,
                            b_smem_staged: cute.ComposedLayout):
         ab_pipeline, sA, sB = self.make_pipeline(a_smem_staged, b_smem_staged)
@@ -314,7 +324,7 @@ class GroupedGemm:
                                                         self.num_stages)
                 for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
                     has_work, _, _, _, _, num_k_tiles, gA, gB = self.weight_grad_item(
-                        item, mA, mB, dw_local, dw_slots, cu_seqlens, ep_rank, zero_empty_slots)
+                        item, mA, mB, dw_local, dw_slots, cu_seqlens, ep_rank, zero_unused_slots)
                     if has_work != 0:
                         producer = self.load(ab_pipeline, producer, tma_a, gA, sA, tma_b, gB, sB,
                                              num_k_tiles)
@@ -327,10 +337,11 @@ class GroupedGemm:
             d0 = cute.size(dw_local, mode=[0])
             d1 = cute.size(dw_local, mode=[1])
             num_local = cute.size(dw_local, mode=[2])
+            num_partials = cute.size(dw_partial, mode=[2])
             for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
                 has_work, mat, m_tile, n_tile, num_rows, num_k_tiles, _, _ = (
                     self.weight_grad_item(item, mA, mB, dw_local, dw_slots, cu_seqlens, ep_rank,
-                                          zero_empty_slots))
+                                          zero_unused_slots))
                 if has_work != 0:
                     read, release = self.consume(ab_pipeline, read, release, tiled_mma, tCrA,
                                                  tCrB, accumulators, sA, sB, num_k_tiles,
@@ -338,9 +349,17 @@ class GroupedGemm:
                     cC = cute.local_tile(cute.make_identity_tensor((d0, d1)), (TILE_M, TILE_N),
                                          (m_tile, n_tile))
                     if mat < num_local:
-                        gC = cute.local_tile(dw_local[None, None, mat], (TILE_M, TILE_N),
-                                             (m_tile, n_tile))
-                        self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
+                        to_partial = 0
+                        if num_partials > 0:
+                            to_partial = replica_flags[mat]
+                        if to_partial != 0:
+                            gC = cute.local_tile(dw_partial[None, None, mat], (TILE_M, TILE_N),
+                                                 (m_tile, n_tile))
+                            self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
+                        else:
+                            gC = cute.local_tile(dw_local[None, None, mat], (TILE_M, TILE_N),
+                                                 (m_tile, n_tile))
+                            self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
                     else:
                         gC = cute.local_tile(dw_slots[None, None, mat - num_local],
                                              (TILE_M, TILE_N), (m_tile, n_tile))
@@ -570,19 +589,25 @@ def compile_dx(options: str):
 
 
 def compile_dw(options: str):
-    """`x^T (D0, M)` and `dy^T (D1, M)` M/N-major views; `dw_* (D0, D1, mats)` fp32 row-major."""
+    """`x^T (D0, M)` and `dy^T (D1, M)` M/N-major views; `dw_local (D0, D1, mats)` bf16 and
+    `dw_partial`, `dw_slots (D0, D1, mats)` fp32, all row-major `[mats, D0, D1]` memory."""
     gemm = GroupedGemm(ragged_k=True)
     x_t = _bf16((_aligned_dim(), _dim()), (0, 1))
     dy_t = _bf16((_aligned_dim(), _dim()), (0, 1))
-    # D1 (the row stride) divisible by 8: the epilogue's 64-bit pair stores are aligned.
-    dw_local = make_fake_compact_tensor(cutlass.Float32, (_dim(), _aligned_dim(), _dim()),
+
+    # D1 (the row stride) divisible by 8: the epilogue's pair stores are aligned.
+    def matrices(dtype):
+        return make_fake_compact_tensor(dtype, (_dim(), _aligned_dim(), _dim()),
                                         stride_order=(1, 0, 2), assumed_align=16)
-    dw_slots = make_fake_compact_tensor(cutlass.Float32, (_dim(), _aligned_dim(), _dim()),
-                                        stride_order=(1, 0, 2), assumed_align=16)
-    cu_seqlens = make_fake_compact_tensor(cutlass.Int32, (_dim(),), assumed_align=4)
+
+    def vector():
+        return make_fake_compact_tensor(cutlass.Int32, (_dim(),), assumed_align=4)
+
     ep_rank = make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
-    return cute.compile(gemm.weight_grad, x_t, dy_t, dw_local, dw_slots, cu_seqlens, ep_rank,
-                        cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(), options=options)
+    return cute.compile(gemm.weight_grad, x_t, dy_t, matrices(cutlass.BFloat16),
+                        matrices(cutlass.Float32), matrices(cutlass.Float32), vector(), vector(),
+                        ep_rank, cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(),
+                        options=options)
 
 
 EXPORTS = {

@@ -101,15 +101,17 @@ def prefetch_impl(w_local: jax.Array, plan: Plan, cfg: EPConfig, *,
         **_transport_attrs(cfg))
 
 
-def reduce_grad_impl(g_local: jax.Array, g_slots: jax.Array, plan: Plan,
-                     cfg: EPConfig) -> jax.Array:
-    """Zero-copy gradient reduction: `g_local [epn, D0, D1] f32` plus the replicas' slot gradients.
+def reduce_grad_impl(g: jax.Array, g_slots: jax.Array, plan: Plan, cfg: EPConfig, *,
+                     g_partial: jax.Array | None = None) -> jax.Array:
+    """Zero-copy gradient reduction into `g [epn, D0, D1]` (f32, or bf16 with `g_partial`).
 
-    `g[e] = g_local[e]`, then for (source rank r, slot b) ascending with `experts_to_copy[r, b]`
-    == e, `g[e] += g_slots of rank r [b]` in fp32, read in place from rank r (bitwise equal to the
-    xla reference). The sum is written over `g_local` (aliased): each element is read before it is
-    written by the same thread, and a training step saves one fp32 copy of the expert gradients.
+    For every expert e that some (source rank r, slot b) replicates: `g_partial[e]` (fp32; `g`
+    itself when None), then for (r, b) ascending with `experts_to_copy[r, b] == e`, `+= g_slots
+    of rank r [b]` in fp32, read in place from rank r, rounded to g's dtype once (bitwise equal
+    to the xla reference). The other experts keep `g`, untouched: the result is written over `g`
+    (aliased), so an expert without replicas costs neither a read nor a write.
     """
-    g = jax.typeof(g_local)
-    return jax.ffi.ffi_call("moonep_reduce_grad", g, input_output_aliases={0: 0})(
-        g_local, g_slots, plan.experts_to_copy, **_transport_attrs(cfg))
+    if g_partial is None:
+        g_partial = jnp.zeros((0,) + g.shape[1:], jnp.float32)  # the handler reads g instead
+    return jax.ffi.ffi_call("moonep_reduce_grad", jax.typeof(g), input_output_aliases={0: 0})(
+        g, g_partial, g_slots, plan.experts_to_copy, **_transport_attrs(cfg))

@@ -21,6 +21,7 @@ import numpy as np
 
 from moonep_jax import _checks, _ffi
 from moonep_jax.config import EPConfig
+from moonep_jax.experts import weight_grad_counts
 from moonep_jax.plan_types import Plan
 
 # TMA needs every row stride to be a multiple of 16 bytes.
@@ -96,19 +97,28 @@ def grouped_matmul_dx(dy, w_local, w_slots, cu_seqlens, ep_rank, transport: dict
                  transport)
 
 
-def grouped_matmul_dw(x, dy, cu_seqlens, ep_rank, num_local: int, num_slots: int, *,
-                      zero_empty_slots: bool = True):
-    """`(dw_local [epn, D0, D1], dw_slots [B, D0, D1])` fp32: `x_g^T dy_g` per local expert/slot.
+def grouped_matmul_dw(x, dy, cu_seqlens, ep_rank, experts_to_copy, num_local: int,
+                      num_partials: int, num_slots: int, *, zero_unused_slots: bool = True):
+    """`(dw_local [epn, D0, D1] bf16, dw_partial [P, D0, D1] f32, dw_slots [B', D0, D1] f32)`:
+    `x_g^T dy_g` per local expert and slot, accumulated in fp32.
 
-    The matrices of slots without rows are zero, or left unwritten with `zero_empty_slots=False`.
+    With `num_partials = 0` every local expert's gradient is in `dw_local`. With `num_partials =
+    epn`, an expert that `experts_to_copy [R, B]` replicates somewhere has its fp32 gradient in
+    `dw_partial` instead (its `dw_local` matrix is left for reduce_grad), the others' in
+    `dw_local`. `num_slots` is B or 0 (no slot gradients). Slot matrices without rows are zero, or
+    left unwritten with `zero_unused_slots=False`.
     """
     _check("moonep_gmm_dw", {"x": x, "dy": dy})
     aval = jax.typeof(x)
     d0, d1 = x.shape[1], dy.shape[1]
-    return jax.ffi.ffi_call("moonep_gmm_dw", (
-        aval.update(shape=(num_local, d0, d1), dtype=jnp.float32),
+    dw_local, dw_partial, dw_slots, _ = jax.ffi.ffi_call("moonep_gmm_dw", (
+        aval.update(shape=(num_local, d0, d1)),
+        aval.update(shape=(num_partials, d0, d1), dtype=jnp.float32),
         aval.update(shape=(num_slots, d0, d1), dtype=jnp.float32),
-    ))(x, dy, cu_seqlens, ep_rank, zero_empty_slots=np.int32(zero_empty_slots))
+        aval.update(shape=(num_local,), dtype=jnp.int32),  # replica_flags scratch
+    ))(x, dy, cu_seqlens, ep_rank, experts_to_copy,
+       zero_unused_slots=np.int32(zero_unused_slots))
+    return dw_local, dw_partial, dw_slots
 
 
 def _ep_rank(cfg: EPConfig) -> jax.Array:
@@ -131,9 +141,11 @@ def gmm_dx_impl(dy, w_local, w_slots, plan: Plan, cfg: EPConfig):
                              _overflow_transport(cfg))
 
 
-def gmm_dw_impl(x, dy, plan: Plan, cfg: EPConfig, *, zero_unused_slots: bool = True):
+def gmm_dw_impl(x, dy, plan: Plan, cfg: EPConfig, *, for_reduce_grad: bool = False):
     _checks.check_trainable("gmm_dw_impl", cfg)
+    num_partials, num_slots = weight_grad_counts(cfg, for_reduce_grad)
     # Slots without rows are exactly the unused ones: the planner fills a slot only for an
     # expert it allocates rows to (moonep_algorithm.md §3.4, alloc > 0).
-    return grouped_matmul_dw(x, dy, plan.cu_seqlens, _ep_rank(cfg), cfg.epn, cfg.num_slots,
-                             zero_empty_slots=zero_unused_slots)
+    return grouped_matmul_dw(x, dy, plan.cu_seqlens, _ep_rank(cfg), plan.experts_to_copy,
+                             cfg.epn, num_partials, num_slots,
+                             zero_unused_slots=not for_reduce_grad)
