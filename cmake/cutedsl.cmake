@@ -35,7 +35,7 @@ message(STATUS "moonep_jax: CuTe DSL runtime ${_moonep_cutedsl_runtime}")
 
 # One <prefix>.{h,o} pair per exported kernel; the list matches build_aot.py's EXPORTS.
 set(MOONEP_CUTEDSL_PREFIXES
-    moonep_zero_rows moonep_gmm_fwd moonep_gmm_dx moonep_gmm_dw)
+    moonep_gmm_fwd moonep_gmm_dx moonep_gmm_dw)
 
 set(MOONEP_CUTEDSL_OBJECTS "")
 set(_moonep_cutedsl_outputs "")

@@ -97,10 +97,10 @@ def _moe_ffn(x, topk_w, w_gate_up, w_down, plan, cfg):
 
 def _slot_prefetch(plan: Plan, cfg: EPConfig):
     """`w -> w_slots` of this plan, used slots only. With R = 1 no slot is ever used (no other
-    rank's experts exist), so nothing is copied: `w` itself stands in for the slots, whose groups
-    are empty, and no slot memory is allocated."""
+    rank's experts exist), so nothing is copied: `w` itself (its first B matrices) stands in for
+    the slots, whose groups are empty, and with B = epn no slot memory is allocated."""
     if not cfg.replicas_possible:
-        return lambda w: w
+        return lambda w: w[:cfg.num_slots]
     impl = _checks.backend("prefetch", cfg)
     return lambda w: impl(w, plan, cfg, **_USED_SLOTS_ONLY)
 

@@ -253,6 +253,13 @@ def test_prefetch_copies_home_weights_exactly(mesh, seed, num_slots, dtype):
                 np.testing.assert_array_equal(used_only[r, b], expected)
 
 
+def _spread(rng, n):
+    """`n` fp32 [8, 12] matrices with magnitudes spread over 2^-20 .. 2^20: any summation order
+    other than the contract's changes the bits."""
+    scale = np.exp2(rng.integers(-20, 20, (n, 1, 1)))
+    return (rng.standard_normal((n, 8, 12)) * scale).astype(np.float32)
+
+
 @pytest.mark.parametrize("maxvio", (1.0, 20.0))
 def test_reduce_grad_bitwise_equal_to_xla_and_rank_slot_order(mesh, seed, maxvio):
     R = mesh.devices.size
@@ -260,12 +267,7 @@ def test_reduce_grad_bitwise_equal_to_xla_and_rank_slot_order(mesh, seed, maxvio
     epn, B = cfgs["xla"].epn, cfgs["xla"].num_slots
     rng = np.random.default_rng(seed)
     topk_idx = _routing(seed, R, maxvio, cfgs["xla"])
-    # Magnitudes spread over 2^-20 .. 2^20: any other summation order changes the bits.
-    def spread(n):
-        scale = np.exp2(rng.integers(-20, 20, (n, 1, 1)))
-        return (rng.standard_normal((n, 8, 12)) * scale).astype(np.float32)
-
-    g_local, g_slots = spread(R * epn), spread(R * B)
+    g_local, g_slots = _spread(rng, R * epn), _spread(rng, R * B)
 
     def per_rank(topk_idx, g_local, g_slots):
         p = plan(topk_idx, cfgs["xla"])
@@ -297,13 +299,8 @@ def test_reduce_grad_into_bf16_from_partials_bitwise_equal_to_xla(mesh, seed, ma
     epn, B = cfgs["xla"].epn, cfgs["xla"].num_slots
     rng = np.random.default_rng(seed)
     topk_idx = _routing(seed, R, maxvio, cfgs["xla"])
-
-    def spread(n):
-        scale = np.exp2(rng.integers(-20, 20, (n, 1, 1)))
-        return (rng.standard_normal((n, 8, 12)) * scale).astype(np.float32)
-
-    g_partial, g_slots = spread(R * epn), spread(R * B)
-    g = spread(R * epn).astype(jnp.bfloat16)
+    g_partial, g_slots = _spread(rng, R * epn), _spread(rng, R * B)
+    g = _spread(rng, R * epn).astype(jnp.bfloat16)
     impls = {"xla": _reduce_grad_xla, "cuda": reduce_grad_impl}
 
     def per_rank(topk_idx, g, g_partial, g_slots):

@@ -13,7 +13,7 @@ import pathlib
 import sys
 
 # Modules whose EXPORTS are built, in this directory.
-KERNEL_MODULES = ("zero_rows", "grouped_gemm")
+KERNEL_MODULES = ("grouped_gemm",)
 
 
 def main(argv=None) -> int:
