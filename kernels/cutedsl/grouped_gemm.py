@@ -102,7 +102,7 @@ class GroupedGemm:
         self.acc_dtype = cutlass.Float32
         self.buffer_align_bytes = 1024
 
-    def _setup(self, a: cute.Tensor, b: cute.Tensor):
+    def _setup(self, a: cute.Tensor, b: cute.Tensor, epilogue_bytes: int = 0):
         self.ab_dtype = a.element_type
         a_layout = utils.LayoutEnum.from_tensor(a)
         b_layout = utils.LayoutEnum.from_tensor(b)
@@ -112,7 +112,7 @@ class GroupedGemm:
             tiler_mn=(ATOM_M, TILE_N))
         bytes_per_stage = (TILE_M + TILE_N) * TILE_K * self.ab_dtype.width // 8
         smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
-        self.num_stages = (smem_capacity - 2048) // bytes_per_stage
+        self.num_stages = (smem_capacity - 2048 - epilogue_bytes) // bytes_per_stage
         self.a_smem_staged = sm90_utils.make_smem_layout_a(
             a_layout, self.tile_mnk, self.ab_dtype, self.num_stages)
         self.b_smem_staged = sm90_utils.make_smem_layout_b(
@@ -133,6 +133,23 @@ class GroupedGemm:
                 cute.struct.MemRange[ab_dtype, cute.cosize(self.a_smem_staged)], align]
             sB: cute.struct.Align[
                 cute.struct.MemRange[ab_dtype, cute.cosize(self.b_smem_staged)], align]
+
+        return SharedStorage
+
+    def _shared_storage_with_epilogue(self):
+        """The mainloop's storage plus one `TILE_M x TILE_N` tile that the TMA-store epilogue
+        stages the output in (dW)."""
+        num_stages, ab_dtype, align = self.num_stages, self.ab_dtype, self.buffer_align_bytes
+
+        @cute.struct
+        class SharedStorage:
+            pipeline_barriers: cute.struct.MemRange[cutlass.Int64, num_stages * 2]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[ab_dtype, cute.cosize(self.a_smem_staged)], align]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[ab_dtype, cute.cosize(self.b_smem_staged)], align]
+            sC: cute.struct.Align[
+                cute.struct.MemRange[ab_dtype, cute.cosize(self.c_smem_staged)], align]
 
         return SharedStorage
 
@@ -197,7 +214,7 @@ class GroupedGemm:
                     tma_b_slots: cute.CopyAtom, mB_slots: cute.Tensor, mC: cute.Tensor,
                     tile_table: cute.Tensor, mat_extent: cutlass.Int32,
                     a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout):
-        ab_pipeline, sA, sB = self.make_pipeline(a_smem_staged, b_smem_staged)
+        ab_pipeline, sA, sB, _ = self.make_pipeline(a_smem_staged, b_smem_staged)
         num_items = rows_num_items(mC, tile_table)
         first_item, item_stride, warp_idx, tidx = persistent_cta()
         if warp_idx < WARPS_PER_GROUP:
@@ -260,15 +277,23 @@ class GroupedGemm:
         matrices of slots without rows unwritten; `num_ctas` persistent CTAs share the
         (matrix, M tile, N tile) work items.
         """
-        self._setup(a, b)
+        self._setup(a, b, epilogue_bytes=TILE_M * TILE_N * a.element_type.width // 8)
         tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (TILE_M, TILE_K))
         tma_b, tma_tensor_b = self._tma_load(b, self.b_smem_staged, (TILE_N, TILE_K))
-        self.shared_storage = self._shared_storage()
+        # The bf16 tiles of dw_local leave through shared memory and a TMA store, so that the
+        # consumers go on to the next tile's MMAs while the store drains (their register
+        # stores used to stall them for every tile: dW items have only ~6 K tiles each).
+        self.c_smem_staged = sm90_utils.make_smem_layout_epi(
+            self.ab_dtype, utils.LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N), 1)
+        tma_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), dw_local,
+            cute.slice_(self.c_smem_staged, (None, None, 0)), (TILE_M, TILE_N))
+        self.shared_storage = self._shared_storage_with_epilogue()
         num_items = weight_grad_num_items(dw_local, dw_slots)
         self.weight_grad_kernel(
-            self.tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, dw_local, dw_partial,
-            dw_slots, replica_flags, cu_seqlens, ep_rank, zero_unused_slots, self.a_smem_staged,
-            self.b_smem_staged,
+            self.tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c,
+            dw_local, dw_partial, dw_slots, replica_flags, cu_seqlens, ep_rank,
+            zero_unused_slots, self.a_smem_staged, self.b_smem_staged, self.c_smem_staged,
         ).launch(grid=(cutlass.min(num_ctas, num_items), 1, 1), block=(self.num_threads, 1, 1),
                  stream=stream)
 
@@ -306,13 +331,16 @@ class GroupedGemm:
 
     @cute.kernel
     def weight_grad_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
-                           tma_b: cute.CopyAtom, mB: cute.Tensor, dw_local: cute.Tensor,
-                           dw_partial: cute.Tensor, dw_slots: cute.Tensor,
-                           replica_flags: cute.Tensor, cu_seqlens: cute.Tensor,
-                           ep_rank: cute.Tensor, zero_unused_slots: cutlass.Int32,
+                           tma_b: cute.CopyAtom, mB: cute.Tensor, tma_c: cute.CopyAtom,
+                           mC: cute.Tensor, dw_local: cute.Tensor, dw_partial: cute.Tensor,
+                           dw_slots: cute.Tensor, replica_flags: cute.Tensor,
+                           cu_seqlens: cute.Tensor, ep_rank: cute.Tensor,
+                           zero_unused_slots: cutlass.Int32,
                            a_smem_staged: cute.ComposedLayout,
-                           b_smem_staged: cute.ComposedLayout):
-        ab_pipeline, sA, sB = self.make_pipeline(a_smem_staged, b_smem_staged)
+                           b_smem_staged: cute.ComposedLayout,
+                           c_smem_staged: cute.ComposedLayout):
+        ab_pipeline, sA, sB, storage = self.make_pipeline(a_smem_staged, b_smem_staged)
+        sC = storage.sC.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
         num_items = weight_grad_num_items(dw_local, dw_slots)
         first_item, item_stride, warp_idx, tidx = persistent_cta()
         if warp_idx < WARPS_PER_GROUP:
@@ -338,6 +366,14 @@ class GroupedGemm:
             d1 = cute.size(dw_local, mode=[1])
             num_local = cute.size(dw_local, mode=[2])
             num_partials = cute.size(dw_partial, mode=[2])
+            # One consumer warp issues the TMA stores; bulk-store groups belong to the threads
+            # that commit them, so the same warp waits for them.
+            storer = warp_idx == WARPS_PER_GROUP
+            c_stores = pipeline.PipelineTmaStore.create(
+                num_stages=1, producer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, NUM_CONSUMER_THREADS))
+            sC_tile = cute.slice_(sC, (None, None, 0))
+            cC_tile = cute.make_identity_tensor((TILE_M, TILE_N))
             for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
                 has_work, mat, m_tile, n_tile, num_rows, num_k_tiles, _, _ = (
                     self.weight_grad_item(item, mA, mB, dw_local, dw_slots, cu_seqlens, ep_rank,
@@ -357,13 +393,17 @@ class GroupedGemm:
                                                  (m_tile, n_tile))
                             self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
                         else:
-                            gC = cute.local_tile(dw_local[None, None, mat], (TILE_M, TILE_N),
+                            gC = cute.local_tile(mC[None, None, mat], (TILE_M, TILE_N),
                                                  (m_tile, n_tile))
-                            self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
+                            self.store_through_shared(tiled_mma, thread, accumulators, tma_c,
+                                                      c_stores, storer, sC, sC_tile, cC_tile,
+                                                      gC)
                     else:
                         gC = cute.local_tile(dw_slots[None, None, mat - num_local],
                                              (TILE_M, TILE_N), (m_tile, n_tile))
                         self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
+            if storer:
+                c_stores.producer_tail()
 
     # ---- shared pieces ------------------------------------------------------------------------
 
@@ -388,7 +428,7 @@ class GroupedGemm:
             tx_count=tma_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
-        return ab_pipeline, sA, sB
+        return ab_pipeline, sA, sB, storage
 
     @cute.jit
     def load(self, ab_pipeline, producer, tma_a: cute.CopyAtom, gA: cute.Tensor,
@@ -544,6 +584,33 @@ class GroupedGemm:
             row, col = tCcC[(0, j)]
             if row < row_limit and col < col_limit:
                 cute.copy(pair_store, tCrC[(None, j)], tCgC[(None, j)])
+
+
+    @cute.jit
+    def store_through_shared(self, tiled_mma: cute.TiledMma, thread: cutlass.Int32,
+                             accumulators: cute.Tensor, tma_c: cute.CopyAtom, c_stores,
+                             storer, sC: cute.Tensor, sC_tile: cute.Tensor, cC_tile: cute.Tensor,
+                             gC: cute.Tensor):
+        """Store the accumulators to the tile `gC` of a TMA tensor: registers -> shared memory
+        (the consumer warp groups), then one TMA store that runs while the consumers go on.
+
+        The previous tile's store must have read `sC` before it is written again; that wait is
+        deferred to here, one item later, so it is normally already over. TMA clips the tile
+        at the tensor's bounds.
+        """
+        if storer:
+            c_stores.producer_acquire()
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
+        self.store(tiled_mma, thread, accumulators, sC_tile, cC_tile, TILE_M, TILE_N)
+        # The TMA unit reads shared memory through the async proxy.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
+        if storer:
+            sC_for_tma, gC_for_tma = cute.nvgpu.cpasync.tma_partition(
+                tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                cute.zipped_divide(gC, (TILE_M, TILE_N)))
+            cute.copy(tma_c, sC_for_tma[(None, 0)], gC_for_tma[(None, 0)])
+            c_stores.producer_commit()
 
 
 # ---- ahead-of-time compilation ------------------------------------------------------------------
