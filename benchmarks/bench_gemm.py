@@ -350,7 +350,8 @@ def main():
         plans = plan_groupings.compute(RS, MAXVIO, S)
         plan_groupings.print_table(plans)
         if args.out:
-            _common.write_json(args.out / f"plan_groupings_S{S}.json", plans)
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"plan_groupings_S{S}.json").write_text(plan_groupings.dumps(plans))
         return
     on_gpu = jax.default_backend() == "gpu" and _ffi.available()
     if not on_gpu and not args.cpu_smoke:
@@ -408,7 +409,8 @@ def main():
 
     def write():
         for out in outs:
-            _common.write_json(out / f"{stem}.json", record)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{stem}.json").write_text(plan_groupings.dumps(record))
 
     def on_term(signum, frame):  # `timeout` in tools/gpu.sh: keep what was measured
         record["interrupted"] = f"signal {signum} after {time.perf_counter() - t_plan:.0f} s"

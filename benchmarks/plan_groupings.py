@@ -154,7 +154,10 @@ def collect(started: dict, timeout_s: float = 600.0) -> dict:
         if child.returncode != 0:
             raise RuntimeError(f"planning R={R} failed (rc {child.returncode}):\n{err[-3000:]}")
         points += json.loads(out.strip().splitlines()[-1])
-    return {"schema": "moonep_jax.plan_groupings/1",
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import _common
+
+    return {"schema": "moonep_jax.plan_groupings/1", "git_commit": _common.git_commit(),
             "shape": {"S": started["S"], "K": K, "E": E}, "seed": SEED,
             "routing": "moonep_jax.routing.lognormal_for_maxvio(jax.random.key(seed), R, S, K, E, "
                        "maxvio)",
@@ -167,6 +170,15 @@ def collect(started: dict, timeout_s: float = 600.0) -> dict:
 def compute(Rs=(2, 8), maxvios=MAXVIOS, S: int = S, timeout_s: float = 600.0) -> dict:
     """The groupings for every R, each R planned in a CPU subprocess with R host devices."""
     return collect(start(Rs, maxvios, S), timeout_s)
+
+
+def dumps(obj) -> str:
+    """JSON with indent 1, except that lists of plain numbers stay on one line (cu_seqlens)."""
+    import re
+
+    text = json.dumps(obj, indent=1, default=lambda v: v.item() if hasattr(v, "item") else str(v))
+    return re.sub(r"\[\s*(-?[\d.e+-]+(?:,\s*-?[\d.e+-]+)*)\s*\]",
+                  lambda m: "[" + ", ".join(m.group(1).replace(",", " ").split()) + "]", text)
 
 
 def critical_rank(point: dict) -> dict:
@@ -210,7 +222,7 @@ def main():
     print_table(groupings)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(groupings, indent=1))
+        args.out.write_text(dumps(groupings))
         print(f"wrote {args.out}")
 
 
