@@ -26,9 +26,10 @@ dW x^T dy with bf16 and with fp32 output; % of dense compares dW with the dense 
 the kernel writes for the local experts), and
 `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` (forward; dX with transpose_rhs=True;
 it has no dW) over the non-empty groups only (its grid has one M slot per group, so empty groups
-would cost it whole wasted tiles), best of a small tile-config sweep at R=2 maxvio 1 (every config
-that its own sweep would allow: N divisible by block_n * grid_block_n), then the best config at
-every main grouping, within a time budget (--mgpu-budget; compiles depend on the group count).
+would cost it whole wasted tiles), best of a small tile-config sweep at R=2 maxvio 1 (MGPU_CONFIGS
+for the forward, the 3 best of those for dX; only configs its own sweep allows: N divisible by
+block_n * grid_block_n), then that best config at every main grouping, within a time budget
+(--mgpu-budget; each group count is a compile).
 Every failure is recorded per config / grouping, never fatal.
 
 dW is timed as the layer calls it (`grouped_matmul_dw` through `dw_call` below, which adapts to
@@ -82,9 +83,13 @@ SYNTHETIC_R = 2  # the diagnostic groupings use EP=2's layout
 # Picked from its own sweep's space (block_m/n in 64/128/192, block_k 64, 2-6 stages, grid_block_n
 # 1-16): tile shapes whose fp32 accumulator fits one warp group's registers and whose pipeline
 # fits the shared memory, with stage count and N-blocking varied around the usual best.
+# (block_n 192 divides neither 4096 nor 7168, so no 192-wide N tile.) All lower for sm_90a at the
+# record shape with 194 groups (checked on CPU: jit(...).trace(...).lower(lowering_platforms=
+# ("cuda",)), which also checks the shared memory). dX tries the 3 best forward configs.
 MGPU_CONFIGS = [(128, 128, 64, 4, 1), (128, 128, 64, 6, 1), (128, 128, 64, 4, 4),
-                (64, 128, 64, 4, 1), (128, 192, 64, 4, 1), (192, 128, 64, 4, 1),
-                (64, 256, 64, 4, 1)]
+                (64, 128, 64, 4, 1), (192, 128, 64, 4, 1), (64, 256, 64, 4, 1),
+                (128, 256, 64, 3, 1)]
+MGPU_DX_FROM_BEST_FWD = 3
 QUICK_MGPU_CONFIGS = MGPU_CONFIGS[:2]
 MGPU_NAMES = ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n")
 RAGGED_DOT_NOTE = ("with ~E+epn groups XLA lowers it through a dense [M, G, K] mask (336 GiB at "
@@ -527,7 +532,11 @@ def run_mgpu(mgpu, configs, proj, d0, d1, layout, x, dy, w_local, w_slots, dense
             info = grouping_record(sweep_at)
             flops = 2.0 * sweep_at["stats"]["rows"] * d0 * d1
             tried = []
-            for config in configs:
+            candidates = configs
+            if kind == "dx" and best.get(f"{proj}/fwd", {}).get("ranking"):
+                candidates = [tuple(c) for c in
+                              best[f"{proj}/fwd"]["ranking"][:MGPU_DX_FROM_BEST_FWD]]
+            for config in candidates:
                 cfg = dict(zip(MGPU_NAMES, config))
                 why = mgpu_config_ok(config, k, n)
                 if why is None and time.perf_counter() - t0 > budget:
@@ -543,8 +552,11 @@ def run_mgpu(mgpu, configs, proj, d0, d1, layout, x, dy, w_local, w_slots, dense
                     tried.append((r["median_ms"], config))
                 write()
             del lhs, rhs, gs
-            best[key] = ({"config": dict(zip(MGPU_NAMES, min(tried)[1])),
-                          "sweep_grouping": sweep_at["label"]} if tried else
+            tried.sort()
+            best[key] = ({"config": dict(zip(MGPU_NAMES, tried[0][1])),
+                          "sweep_grouping": sweep_at["label"],
+                          "ranking": [list(c) for _, c in tried],
+                          "ranking_ms": [t for t, _ in tried]} if tried else
                          {"config": None, "why": "no config ran"})
         config = best[key]["config"]
         for g in main:
