@@ -598,6 +598,11 @@ def main_one_gpu(args) -> None:
         ncu = run_ncu(args, shape, args.out or pathlib.Path("/tmp"), ncu_stem)
     cuda = jax.default_backend() == "gpu" and _ffi.available()
     implementation = "cuda" if cuda else "xla"
+    if not cuda and not args.quick:
+        print("bench_layer --one-gpu: skipped, the record shape needs the CUDA extension and a GPU "
+              f"(backend {jax.default_backend()!r}; {_ffi.unavailable_reason() or 'extension built'}"
+              "); --quick runs a tiny shape with the xla implementation")
+        return
     devices = jax.devices()
     tag = ("".join(c if c.isalnum() else "_" for c in devices[0].device_kind) + "x1"
            if jax.default_backend() == "gpu" else "cpux1")
