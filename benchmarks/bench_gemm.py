@@ -596,11 +596,12 @@ def print_table(results: list[dict]) -> None:
         else:
             row[method] = "failed" if "error" in r else "skipped"
     cols = ("moonep_fwd", "moonep_dx", "moonep_dw", "mgpu_fwd", "mgpu_dx")
-    print(f"{'proj':8s} {'grouping':20s} {'groups':>6s} {'tiles':>5s} " +
-          " ".join(f"{c:>12s}" for c in cols))
+    print("TFLOP/s (% of dense), as a README table:")
+    print("| projection | grouping | non-empty groups | M tiles | " + " | ".join(cols) + " |")
+    print("|---" * (4 + len(cols)) + "|")
     for (proj, label), row in cells.items():
-        print(f"{proj:8s} {label:20s} {row['groups'] or 0:6d} {row['m_tiles'] or 0:5d} " +
-              " ".join(f"{row.get(c, ''):>12s}" for c in cols))
+        print(f"| {proj} | {label} | {row['groups'] or 0} | {row['m_tiles'] or 0} | " +
+              " | ".join(row.get(c, "") for c in cols) + " |")
     dense = [r for r in results if r.get("kind") == "dense" and "tflops" in r]
     print("dense TFLOP/s: " + ", ".join(f"{r['name']} {r['tflops']:.0f}" for r in dense))
 

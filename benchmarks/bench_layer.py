@@ -701,13 +701,24 @@ def main_one_gpu(args) -> None:
                              "dense_floor_fwd_ms": dense["fwd"]["median_ms"]}
     record["seconds"] = time.perf_counter() - t0
     write()
-    print(f"{'maxvio':>6s} {'meas':>6s} {'tiles':>5s} {'fwd+bwd':>9s} {'ratio':>6s} {'fwd':>8s} "
-          f"{'ratio':>6s}")
+    print("ms, as a README table:")
+    print("| maxvio (measured) | M tiles | fwd+bwd | dense floor | ratio | fwd | dense fwd | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
     for p in record["points"]:
         fb, fw = p["results"][0], p["results"][1]
-        print(f"{p['maxvio_target']:6.1f} {p['maxvio_measured']:6.2f} {p['groups']['m_tiles']:5d} "
-              f"{fb.get('median_ms', float('nan')):9.2f} {fb.get('ratio_to_dense_floor', 0):5.2f}x "
-              f"{fw.get('median_ms', float('nan')):8.2f} {fw.get('ratio_to_dense_floor', 0):5.2f}x")
+        print(f"| {p['maxvio_measured']:.2f} | {p['groups']['m_tiles']} | "
+              f"{fb.get('median_ms', float('nan')):.1f} | {dense['fwd_bwd']['median_ms']:.1f} | "
+              f"{fb.get('ratio_to_dense_floor', float('nan')):.2f}x | "
+              f"{fw.get('median_ms', float('nan')):.1f} | {dense['fwd']['median_ms']:.1f} | "
+              f"{fw.get('ratio_to_dense_floor', float('nan')):.2f}x |")
+    if ncu and ncu.get("status") == "ok":
+        print(f"ncu, one step at maxvio {ncu['maxvio_target']:g}: {ncu['total_kernel_ms']:.1f} ms "
+              f"of kernels in {ncu['num_launches']} launches")
+        print("| kernels | ms | launches |\n|---|---|---|")
+        for cat, c in ncu["categories"].items():
+            print(f"| {cat} | {c['ms']:.2f} | {c['launches']} |")
+    elif ncu:
+        print(f"ncu: {ncu.get('status')}")
     print(f"dense floor: fwd+bwd {dense['fwd_bwd']['median_ms']:.2f} ms, fwd "
           f"{dense['fwd']['median_ms']:.2f} ms; memory of the step (GB): " +
           ", ".join(f"{n} {m.get('total_bytes', 0) / 1e9:.1f}" for n, m in memory.items()))
