@@ -12,7 +12,11 @@ used replica slots (G = E + B groups, B = epn, the other ranks' groups empty); t
 the one with the most M tiles (the one the others wait for). Every rank's statistics are in the
 record.
 
-Diagnostic groupings, all EP=2's layout (576 groups) and M = 65536:
+Diagnostic groupings, M = 65536:
+  `R1 E192 maxvio X`    bench_layer --one-gpu's plans (R=1, E=192, EP=2's per-rank work): the
+                        GEMM groupings of the layer step that bench_layer times (192 local
+                        experts, no replicas; G = 384);
+and in EP=2's layout (576 groups):
   `synthetic maxvio X`  today's earlier main groupings: all 192 local experts and all 192 slots
                         non-empty (~170 rows each), sizes from a log-normal per maxvio (real EP=2
                         plans use 1-2 slots, so these have twice the groups of a real plan);
@@ -75,7 +79,6 @@ E = plan_groupings.E
 FULL = {"S": 8192, "H": 7168, "F": 2048}
 QUICK = {"S": 512, "H": 512, "F": 256}
 CPU_SMOKE = {"S": 64, "H": 128, "F": 64}
-RS = (2, 8)
 MAXVIO = _common.MAXVIOS
 SYNTHETIC_R = 2  # the diagnostic groupings use EP=2's layout
 
@@ -138,14 +141,22 @@ def diagnostic_sizes(m: int, tile_m: int) -> dict:
 
 
 def all_groupings(plans: dict, m_synthetic: int, tile_m: int) -> list[dict]:
-    """Main groupings (one rank of each real plan) then the diagnostics, as dicts with `sizes [G]`
-    and `experts_to_copy [R, B]` (the plan's; for the synthetic layouts rank 0's slots hold
-    rank 1's experts, so no local expert of rank 0 has a replica)."""
+    """Main groupings (one rank of each real plan at E=384), bench_layer --one-gpu's plans (R=1,
+    E=192), then the synthetic diagnostics, as dicts with `sizes [G]` and `experts_to_copy [R, B]`
+    (the plan's; for the synthetic layouts rank 0's slots hold rank 1's experts, so no local
+    expert of rank 0 has a replica)."""
     out = []
     for p in plans["points"]:
         rank = plan_groupings.critical_rank(p)
         cu = np.asarray(p["cu_seqlens"][rank["rank"]], np.int64)
-        out.append({"label": f"R{p['R']} maxvio {p['maxvio_target']:g}", "kind": "real_plan",
+        e = p.get("E", E)
+        main = e == E
+        out.append({"label": f"R{p['R']} maxvio {p['maxvio_target']:g}" if main else
+                    f"R{p['R']} E{e} maxvio {p['maxvio_target']:g}",
+                    "kind": "real_plan" if main else "layer_one_gpu", "E": e, "epn": e // p["R"],
+                    **({} if main else {"diagnostic": "bench_layer --one-gpu's plan (R=1, E=192: "
+                                                      "EP=2's per-rank work), the layer step's "
+                                                      "GEMM groupings"}),
                     "R": p["R"], "rank": rank["rank"], "maxvio_target": p["maxvio_target"],
                     "maxvio_measured": p["maxvio_measured"], "sizes": np.diff(cu, prepend=0),
                     "experts_to_copy": np.asarray(p["experts_to_copy"], np.int32),
@@ -160,7 +171,8 @@ def all_groupings(plans: dict, m_synthetic: int, tile_m: int) -> list[dict]:
     synthetic += [(name, sizes, {"diagnostic": why})
                   for name, (sizes, why) in diagnostic_sizes(m_synthetic, tile_m).items()]
     for label, sizes, extra in synthetic:
-        out.append({"label": label, "kind": "diagnostic", "R": SYNTHETIC_R, "rank": 0,
+        out.append({"label": label, "kind": "diagnostic", "R": SYNTHETIC_R, "rank": 0, "E": E,
+                    "epn": epn,
                     "sizes": sizes, "experts_to_copy": slots, "nvs": m_synthetic,
                     "stats": plan_groupings.rank_summary(np.cumsum(sizes), 0, SYNTHETIC_R,
                                                          tile_m), **extra})
@@ -316,7 +328,7 @@ def draw(key, m: int, d0: int, d1: int, num: int):
 
 def grouping_record(g: dict) -> dict:
     """What a result carries about its grouping."""
-    keep = ("label", "kind", "R", "rank", "maxvio_target", "maxvio_measured", "diagnostic")
+    keep = ("label", "kind", "R", "E", "rank", "maxvio_target", "maxvio_measured", "diagnostic")
     return {"grouping": g["label"], **{k: g[k] for k in keep[1:] if k in g},
             **{k: g["stats"][k] for k in ("num_groups", "nonempty_groups", "used_slots", "rows",
                                           "m_tiles", "min_m_tiles", "useful_row_fraction",
@@ -352,7 +364,7 @@ def main():
     m = S * plan_groupings.K  # rows per rank of every grouping (NvS with token_padding 1)
 
     if args.groupings_only:
-        plans = plan_groupings.compute(RS, MAXVIO, S)
+        plans = plan_groupings.compute(plan_groupings.LAYOUTS, MAXVIO, S)
         plan_groupings.print_table(plans)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
@@ -381,7 +393,7 @@ def main():
             raise SystemExit(f"{args.groupings} is for S={plans['shape']['S']}, not {S}")
         plans_source = f"read from {args.groupings}"
     else:
-        plans = plan_groupings.compute(RS, MAXVIO, S)
+        plans = plan_groupings.compute(plan_groupings.LAYOUTS, MAXVIO, S)
         plans_source = "planned by this run (benchmarks/plan_groupings.py)"
     plan_seconds = time.perf_counter() - t_plan
     plan_groupings.print_table(plans)
@@ -430,12 +442,11 @@ def main():
         # Dense references on rank-sized M (every grouping has M = S*K rows here).
         x = dy = None
         dense = {}
-        for R in (SYNTHETIC_R,) + tuple(r for r in RS if r != SYNTHETIC_R):
-            epn = E // R
-            layout = [g for g in groupings if g["R"] == R]
-            if not layout:
-                continue
-            x, dy, w_local, w_slots = draw(jax.random.key(10 * pi + R), m, d0, d1, epn)
+        for li, epn in enumerate(sorted({g["epn"] for g in groupings}, reverse=True)):
+            # Weight layouts by epn (B = epn): 192 for R=2 at E=384, the synthetic groupings and
+            # R=1 at E=192; 48 for R=8.
+            layout = [g for g in groupings if g["epn"] == epn]
+            x, dy, w_local, w_slots = draw(jax.random.key(10 * pi + li), m, d0, d1, epn)
             if not dense:
                 flops = 2.0 * m * d0 * d1
                 w = w_local[0]
@@ -452,8 +463,12 @@ def main():
                 del w
             fwd = jax.jit(gemm.grouped_matmul)
             dx = jax.jit(gemm.grouped_matmul_dx)
-            dw, dw_how = dw_call(gemm, R, epn, epn)
+            dws = {}
             for g in layout:
+                R = g["R"]
+                if R not in dws:
+                    dws[R] = dw_call(gemm, R, epn, epn)
+                dw, dw_how = dws[R]
                 cu = jnp.asarray(np.cumsum(g["sizes"]), jnp.int32)
                 rank = jnp.array([g["rank"]], jnp.int32)
                 slots = jnp.asarray(g["experts_to_copy"], jnp.int32)
@@ -462,7 +477,7 @@ def main():
                 info = grouping_record(g)
                 dw_args = (x, dy, cu, rank, slots)
                 dw_out = out_avals(dw, *dw_args)
-                record["dw"][f"{proj}/R{R}"] = {"call": dw_how, "outputs": dw_out}
+                record["dw"][f"{proj}/R{R}_E{g['E']}"] = {"call": dw_how, "outputs": dw_out}
                 dw_dense = "dw_bf16" if dw_out[0]["dtype"] == "bfloat16" else "dw_fp32"
                 for kind, fn, a, ref in (("fwd", fwd, (x, w_local, w_slots, cu, rank), "fwd"),
                                          ("dx", dx, (dy, w_local, w_slots, cu, rank), "dx"),
@@ -484,8 +499,7 @@ def main():
             if mgpu is not None:
                 spent = sum(v for k, v in record["mgpu"].get("seconds", {}).items()
                             if k.startswith(f"{proj}/"))
-                budget = (0.6 * args.mgpu_budget if R == SYNTHETIC_R
-                          else args.mgpu_budget - spent)
+                budget = 0.6 * args.mgpu_budget if li == 0 else args.mgpu_budget - spent
                 run_mgpu(mgpu, configs, proj, d0, d1, layout, x, dy, w_local, w_slots, dense,
                          budget, args.reps, results, record, write)
             del w_local, w_slots
@@ -502,8 +516,8 @@ def mgpu_operands(g: dict, x, w_local, w_slots):
     sizes = g["sizes"]
     active = np.nonzero(sizes)[0]
     epn = w_local.shape[0]
-    local = active[active < E] - g["rank"] * epn
-    slots = active[active >= E] - E
+    local = active[active < g["E"]] - g["rank"] * epn
+    slots = active[active >= g["E"]] - g["E"]
     if np.any((local < 0) | (local >= epn)):
         raise ValueError(f"{g['label']}: rows in another rank's expert group")
     rows = int(sizes.sum())

@@ -1,7 +1,8 @@
 """The grouped GEMM's groupings that real plans produce: `cu_seqlens` from the planner.
 
-For each R and maxvio target: a `moonep_jax.routing.lognormal_for_maxvio` routing (key 1234, as in
-bench_layer and bench_dispatch) of the record shape (S=8192, K=8, E=384), planned with
+For each (R, E) and maxvio target: a `moonep_jax.routing.lognormal_for_maxvio` routing (key 1234,
+as in bench_layer and bench_dispatch) of the record shape (S=8192, K=8, E=384 at R=2 and 8; E=192 at
+R=1, bench_layer --one-gpu's problem), planned with
 `moonep_jax.plan` (implementation "xla", the bit-exact reference of the CUDA planner) inside a
 `jax.shard_map` over R CPU devices. Every rank's `cu_seqlens [G = E + B]` comes back with its
 group statistics (groups, non-empty groups, rows, M tiles of the GEMM's `tile_m`).
@@ -11,7 +12,8 @@ the default backend, so `compute()` runs this file in a subprocess with `JAX_PLA
 `XLA_FLAGS=--xla_force_host_platform_device_count=R` (one subprocess per R), which works the same
 on the CPU machine and on the GPU machine and keeps the GPU process's XLA flags untouched.
 
-    python benchmarks/plan_groupings.py [--R 2 8] [--maxvio 0.2 1 10 20] [--out FILE.json]
+    python benchmarks/plan_groupings.py [--layouts 2x384 8x384 1x192] [--maxvio 0.2 1 10 20]
+                                        [--S 8192] [--out FILE.json]
 
 prints one line per (R, maxvio, rank) and writes the groupings (with every rank's cu_seqlens).
 """
@@ -28,6 +30,9 @@ import time
 
 S, K, E, H, F = 8192, 8, 384, 7168, 2048
 SEED = 1234
+# (R, E) planned by default: the record shape at EP=2 and EP=8, and bench_layer --one-gpu's
+# problem (R=1, E=192: EP=2's per-rank work), whose groups are the layer step's GEMM groupings.
+LAYOUTS = ((2, E), (8, E), (1, E // 2))
 MAXVIOS = (0.2, 1.0, 10.0, 20.0)
 DEFAULT_TILE_M = 256  # only when the extension cannot be loaded; the record says which was used
 
@@ -77,7 +82,7 @@ def _tile_m() -> tuple[int, str]:
         return DEFAULT_TILE_M, f"default {DEFAULT_TILE_M}: extension not loadable ({e})"
 
 
-def _plan_in_this_process(R: int, maxvios, tile_m: int, S: int = S) -> list[dict]:
+def _plan_in_this_process(R: int, maxvios, tile_m: int, S: int = S, E: int = E) -> list[dict]:
     """Needs R jax devices of the default backend (the subprocess below sets them up)."""
     import jax
     import numpy as np
@@ -110,33 +115,33 @@ def _plan_in_this_process(R: int, maxvios, tile_m: int, S: int = S) -> list[dict
         cu, slots = planner(jax.device_put(np.asarray(topk_idx).reshape(R * S, K), split))
         cu = np.asarray(cu).reshape(R, cfg.num_groups)
         slots = np.asarray(slots)[0]
-        ranks = [rank_summary(cu[r], r, R, tile_m) for r in range(R)]
-        points.append({"R": R, "maxvio_target": maxvio, "maxvio_measured": float(realised),
+        ranks = [rank_summary(cu[r], r, R, tile_m, E) for r in range(R)]
+        points.append({"R": R, "E": E, "maxvio_target": maxvio, "maxvio_measured": float(realised),
                        "sigma": float(sigma), "nvs": cfg.nvs, "epn": cfg.epn,
                        "num_slots": cfg.num_slots, "ranks": ranks,
                        "cu_seqlens": cu.tolist(), "experts_to_copy": slots.tolist(),
                        "seconds": {"routing": t_routing,
                                    "plan": time.perf_counter() - t0 - t_routing}})
-        print(f"plan_groupings: R={R} maxvio {maxvio} done in {time.perf_counter() - t0:.1f} s",
+        print(f"plan_groupings: R={R} E={E} maxvio {maxvio} done in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
     return points
 
 
-def start(Rs=(2, 8), maxvios=MAXVIOS, S: int = S) -> dict:
-    """Starts one CPU subprocess per R (in parallel); `collect()` waits for them. Lets a caller
+def start(layouts=LAYOUTS, maxvios=MAXVIOS, S: int = S) -> dict:
+    """Starts one CPU subprocess per (R, E) (in parallel); `collect()` waits for them. Lets a caller
     plan while it does other host work; the planner is CPU work, so do not time GPU work
     meanwhile (a loaded host delays the timing loop)."""
     tile_m, tile_m_source = _tile_m()
     here = pathlib.Path(__file__).resolve()
     children = {}
-    for R in Rs:
+    for R, E_ in layouts:
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                               f" --xla_force_host_platform_device_count={R}").strip())
         env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
-        children[R] = subprocess.Popen(
-            [sys.executable, str(here), "--child", "--R", str(R), "--S", str(S), "--tile-m",
-             str(tile_m), "--maxvio", *map(str, maxvios)],
+        children[(R, E_)] = subprocess.Popen(
+            [sys.executable, str(here), "--child", "--R", str(R), "--E", str(E_), "--S", str(S),
+             "--tile-m", str(tile_m), "--maxvio", *map(str, maxvios)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return {"children": children, "t0": time.perf_counter(), "S": S, "tile_m": tile_m,
             "tile_m_source": tile_m_source}
@@ -144,21 +149,22 @@ def start(Rs=(2, 8), maxvios=MAXVIOS, S: int = S) -> dict:
 
 def collect(started: dict, timeout_s: float = 600.0) -> dict:
     points, seconds = [], {}
-    for R, child in started["children"].items():
+    for (R, E_), child in started["children"].items():
         try:
             out, err = child.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             child.kill()
-            raise RuntimeError(f"planning R={R} took over {timeout_s} s") from None
-        seconds[f"R{R}"] = time.perf_counter() - started["t0"]
+            raise RuntimeError(f"planning R={R} E={E_} took over {timeout_s} s") from None
+        seconds[f"R{R}_E{E_}"] = time.perf_counter() - started["t0"]
         if child.returncode != 0:
-            raise RuntimeError(f"planning R={R} failed (rc {child.returncode}):\n{err[-3000:]}")
+            raise RuntimeError(f"planning R={R} E={E_} failed (rc {child.returncode}):\n{err[-3000:]}")
         points += json.loads(out.strip().splitlines()[-1])
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     import _common
 
     return {"schema": "moonep_jax.plan_groupings/1", "git_commit": _common.git_commit(),
             "shape": {"S": started["S"], "K": K, "E": E}, "seed": SEED,
+            "layouts": [list(k) for k in started["children"]],
             "routing": "moonep_jax.routing.lognormal_for_maxvio(jax.random.key(seed), R, S, K, E, "
                        "maxvio)",
             "planner": "moonep_jax.plan, implementation='xla' (bit-identical to 'cuda' by "
@@ -167,9 +173,9 @@ def collect(started: dict, timeout_s: float = 600.0) -> dict:
             "seconds_wall": seconds, "points": points}
 
 
-def compute(Rs=(2, 8), maxvios=MAXVIOS, S: int = S, timeout_s: float = 600.0) -> dict:
-    """The groupings for every R, each R planned in a CPU subprocess with R host devices."""
-    return collect(start(Rs, maxvios, S), timeout_s)
+def compute(layouts=LAYOUTS, maxvios=MAXVIOS, S: int = S, timeout_s: float = 600.0) -> dict:
+    """The groupings for every (R, E), each planned in a CPU subprocess with R host devices."""
+    return collect(start(layouts, maxvios, S), timeout_s)
 
 
 def dumps(obj) -> str:
@@ -189,13 +195,13 @@ def critical_rank(point: dict) -> dict:
 
 def print_table(groupings: dict, file=sys.stdout) -> None:
     print(f"tile_m {groupings['tile_m']} ({groupings['tile_m_source']})", file=file)
-    print(f"{'R':>2} {'maxvio':>7} {'meas':>6} {'rank':>4} {'groups':>6} {'nonempty':>8} "
+    print(f"{'R':>2} {'E':>3} {'maxvio':>7} {'meas':>6} {'rank':>4} {'groups':>6} {'nonempty':>8} "
           f"{'slots':>5} {'rows':>6} {'M tiles':>7} {'min':>4} {'max grp':>7} {'mean grp':>8}",
           file=file)
     for p in groupings["points"]:
         worst = critical_rank(p)["rank"]
         for r in p["ranks"]:
-            print(f"{p['R']:2d} {p['maxvio_target']:7.1f} {p['maxvio_measured']:6.2f} "
+            print(f"{p['R']:2d} {p.get('E', E):3d} {p['maxvio_target']:7.1f} {p['maxvio_measured']:6.2f} "
                   f"{r['rank']:4d}{'*' if r['rank'] == worst else ' '}{r['num_groups']:6d} "
                   f"{r['nonempty_groups']:8d} {r['used_slots']:5d} {r['rows']:6d} "
                   f"{r['m_tiles']:7d} {r['min_m_tiles']:4d} {r['max_group']:7d} "
@@ -205,7 +211,10 @@ def print_table(groupings: dict, file=sys.stdout) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--R", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--layouts", nargs="+", default=[f"{r}x{e}" for r, e in LAYOUTS],
+                        help="RxE pairs to plan (default 2x384 8x384 1x192)")
+    parser.add_argument("--R", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--E", type=int, default=E, help=argparse.SUPPRESS)
     parser.add_argument("--maxvio", type=float, nargs="+", default=list(MAXVIOS))
     parser.add_argument("--out", type=pathlib.Path, default=None, help="write the JSON here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -214,11 +223,12 @@ def main():
     args = parser.parse_args()
     if args.child:
         sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-        points = _plan_in_this_process(args.R[0], args.maxvio, args.tile_m or DEFAULT_TILE_M,
-                                       args.S)
+        points = _plan_in_this_process(args.R, args.maxvio, args.tile_m or DEFAULT_TILE_M,
+                                       args.S, args.E)
         print(json.dumps(points))
         return
-    groupings = compute(args.R, args.maxvio, args.S)
+    layouts = [tuple(int(v) for v in spec.split("x")) for spec in args.layouts]
+    groupings = compute(layouts, args.maxvio, args.S)
     print_table(groupings)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
