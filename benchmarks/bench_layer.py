@@ -522,18 +522,29 @@ def run_ncu(args, shape: Shape, out_dir: pathlib.Path, stem: str) -> dict:
                                                                    else [])
     result.update(ncu=ncu, command=" ".join(cmd), csv=str(csv_path))
     t0 = time.perf_counter()
-    print(f"ncu: one step at maxvio {args.ncu_maxvio} (up to {NCU_TIMEOUT_S} s)", flush=True)
-    try:
-        with open(csv_path, "w") as stdout:
-            done = subprocess.run(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True,
-                                  timeout=NCU_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return {**result, "status": f"failed: ncu run over {NCU_TIMEOUT_S} s"}
+    print(f"ncu: one step at maxvio {args.ncu_maxvio} (up to {args.ncu_timeout:.0f} s)", flush=True)
+    import signal
+
+    # Its own process group, so that a timeout (or this process ending) also ends the profiled
+    # python that ncu starts, instead of leaving it on the GPU.
+    with open(csv_path, "w") as stdout:
+        child = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                 start_new_session=True)
+        try:
+            _, stderr = child.communicate(timeout=args.ncu_timeout)
+        except subprocess.TimeoutExpired:
+            stderr = None
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
     result["seconds"] = time.perf_counter() - t0
-    result["stderr_tail"] = done.stderr[-1500:]
+    if stderr is None:
+        return {**result, "status": f"failed: ncu run over {args.ncu_timeout:.0f} s"}
+    result["stderr_tail"] = stderr[-1500:]
     rows = [r for r in csv.reader(open(csv_path)) if len(r) > 10]
-    if done.returncode != 0 or not rows:
-        return {**result, "status": f"failed: ncu rc {done.returncode}, {len(rows)} CSV rows"}
+    if child.returncode != 0 or not rows:
+        return {**result, "status": f"failed: ncu rc {child.returncode}, {len(rows)} CSV rows"}
     header = rows[0]
     name_i, value_i, unit_i = (header.index(c) for c in ("Kernel Name", "Metric Value",
                                                           "Metric Unit"))
@@ -593,6 +604,9 @@ def main_one_gpu(args) -> None:
     tag = None
     ncu = None
     outs = [pathlib.Path(__file__).parent / "results"] + ([args.out] if args.out else [])
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(124))  # runs `finally`s
     if args.ncu:  # first: this process has not touched the GPU yet
         ncu_stem = "bench_layer_onegpu" + ("_quick" if args.quick else "")
         ncu = run_ncu(args, shape, args.out or pathlib.Path("/tmp"), ncu_stem)
@@ -755,6 +769,8 @@ def main():
                              "libnvToolsExt; about a minute more)")
     parser.add_argument("--ncu-maxvio", type=float, default=1.0,
                         help="the routing skew of the ncu step (default 1)")
+    parser.add_argument("--ncu-timeout", type=float, default=NCU_TIMEOUT_S,
+                        help=f"seconds for the ncu run (default {NCU_TIMEOUT_S})")
     parser.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ncu_child:
