@@ -29,7 +29,21 @@ Writes `<out>/bench_layer_<gpu>x<count>.json` and `.png` (`benchmarks/results` b
 `--quick` runs a tiny shape (CPU smoke test: there the CUDA GEMM of a2a_pad_gmm is replaced by
 `lax.ragged_dot`, and the record says so).
 
+One-GPU mode (`--one-gpu`, and the default when jax sees one device): R = 1 with E = 192, i.e.
+EP=2's per-rank work of the record shape (S=8192, K=8, H=7168, F=2048, bf16, B = epn), maxvio
+0.2/1/10/20 (routing: ONE_GPU_ROUTING below says why a lognormal over the 192 experts). Times
+moonep_jax's step (`jax.grad` w.r.t. x, topk_w and both weights) and its forward next to the dense
+floor measured in the same process (the same S*K rows through ONE dense SwiGLU expert, 6 dense
+GEMMs, `jax.grad`), their ratio, each point's groups and M tiles, and the memory of the compiled
+step. Median of --reps (5) after 2 warm-ups; about a minute of GPU time after compiles. `--ncu`
+first re-runs exactly one step under ncu (the recipe of shared/examples/profile_layer/run_ncu.sh;
+needs ncu and CuPy or libnvToolsExt) and folds the per-kernel times into the record by category
+(grouped GEMM fwd/dX, dW, converts, reduce_grad, dispatch/combine, rest); the raw CSV goes to
+`--out` (or /tmp). Writes `bench_layer_<gpu>x1_onegpu.json` and `.png`. `--one-gpu --quick` is a
+CPU smoke test (implementation xla, E=16).
+
     python benchmarks/bench_layer.py [--quick] [--out DIR] [--reps N]
+    python benchmarks/bench_layer.py --one-gpu [--ncu [--ncu-maxvio 1]] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -344,15 +358,428 @@ def plot(record: dict, path: pathlib.Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+# ---- one GPU: EP=2's per-rank work against the dense floor --------------------------------------
+
+ONE_GPU = Shape(S=8192, H=7168, K=8, E=192, F=2048)
+
+
+def one_gpu_quick_shape() -> Shape:
+    return Shape(S=128, H=256, K=4, E=16, F=128)
+
+
+ONE_GPU_ROUTING = (
+    "moonep_jax.routing.lognormal_for_maxvio(jax.random.key(1234), R=1, S, K, E=192, maxvio): a "
+    "log-normal popularity over the 192 experts of the one rank, as the verified probe "
+    "(shared/examples/profile_layer) draws it, so the numbers compare with it. Not a rank's slice "
+    "of an E=384 routing over 2 ranks: tokens of such a routing pick experts of both ranks, and "
+    "keeping only rank-local picks would change K per token. What matches EP=2 is the work: S*K = "
+    "65536 rows over 192 local experts per rank (at EP=2 the planner also caps every rank at S*K "
+    "rows and moves the excess of hot experts into the other rank's slots, so a real EP=2 rank's "
+    "groups are less skewed than this R=1 routing at the same maxvio, and it has 1-2 used slots "
+    "that R=1 lacks: bench_gemm's R=2 groupings are those). Each point records its groups and M "
+    "tiles.")
+
+# ncu kernel categories, first match wins (re.search on the kernel name). Names: the CuTe DSL
+# kernels are kernel_cutlass_rows_kernel_* (forward and dX) and kernel_cutlass_weight_grad_kernel_*
+# (dW); the CUDA kernels are moonep::<anon>::<name>_kernel; XLA's fusions carry their root op.
+NCU_CATEGORIES = (
+    ("gemm_fwd_dx", r"rows_kernel|gmm_overflow_kernel"),
+    ("gemm_dw", r"weight_grad_kernel"),
+    ("converts", r"convert"),
+    ("reduce_grad", r"reduce_grad"),
+    ("dispatch_combine", r"dispatch_(send|fill)_kernel|combine_(weights_)?gather_kernel"),
+    ("rest", r"."),
+)
+NCU_TIMEOUT_S = 300
+
+
+def find_ncu() -> str | None:
+    import glob
+    import shutil
+
+    found = shutil.which("ncu")
+    if found:
+        return found
+    for pattern in ("/usr/local/cuda/bin/ncu", "/opt/nvidia/nsight-compute/*/ncu",
+                    "/usr/local/cuda-*/bin/ncu"):
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def nvtx_push_pop():
+    """`(push(name), pop(), source)`: CuPy's NVTX (the verified recipe), else libnvToolsExt."""
+    try:
+        from cupy.cuda import nvtx
+
+        return nvtx.RangePush, nvtx.RangePop, "cupy.cuda.nvtx"
+    except Exception:  # noqa: BLE001
+        pass
+    import ctypes
+
+    for name in ("libnvToolsExt.so.1", "libnvToolsExt.so"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        return (lambda s: lib.nvtxRangePushA(s.encode())), lib.nvtxRangePop, name
+    raise RuntimeError("no NVTX: neither cupy nor libnvToolsExt is importable")
+
+
+def one_gpu_problem(shape: Shape, implementation: str):
+    """`(mesh, cfg, inputs, step, forward)` of moe_ffn on a 1-device mesh."""
+    mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1],
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+    cfg = moonep_jax.EPConfig(num_experts=shape.E, top_k=shape.K, tokens_per_rank=shape.S,
+                              hidden=shape.H, ffn_hidden=shape.F, num_ranks=1,
+                              implementation=implementation)
+    if implementation == "cuda":
+        from moonep_jax._cuda import transport
+
+        transport.bootstrap(mesh, "ep")
+    inputs = weights_and_tokens(mesh, shape)
+    layer = moonep_layer(cfg)
+    return mesh, cfg, inputs, training_step(layer, mesh), forward_loss(layer, mesh)
+
+
+def forward_loss(layer, mesh):
+    """jit: `sum(out * d_out)` of the layer (the forward of `training_step`)."""
+    per_rank = jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+
+    def loss(x, topk_idx, topk_w, w_gate_up, w_down, d_out):
+        out = per_rank(x, topk_idx, topk_w, w_gate_up, w_down)
+        return jnp.sum(out.astype(_F32) * d_out.astype(_F32))
+
+    return jax.jit(loss)
+
+
+def one_gpu_routing(mesh, shape: Shape, maxvio: float):
+    topk_idx, sigma, realised = routing.lognormal_for_maxvio(jax.random.key(1234), 1, shape.S,
+                                                             shape.K, shape.E, maxvio)
+    topk_idx = jax.device_put(np.asarray(topk_idx).reshape(shape.S, shape.K),
+                              NamedSharding(mesh, P("ep")))
+    return topk_idx, float(sigma), float(realised)
+
+
+def dense_floor(shape: Shape):
+    """`(step, forward, args)`: the same S*K rows through ONE dense SwiGLU expert (x @ W_gu,
+    SwiGLU, @ W_down; `jax.grad` w.r.t. rows and both weights: 6 dense GEMMs), inputs drawn like
+    the layer's on the default device."""
+    M = shape.S * shape.K
+
+    @jax.jit
+    def draw(key):
+        k = jax.random.split(key, 4)
+        normal = lambda i, shp, scale: (  # noqa: E731
+            jax.random.normal(k[i], shp, jnp.bfloat16) * jnp.bfloat16(scale))
+        return (normal(0, (M, shape.H), 1.0), normal(1, (shape.H, 2 * shape.F), shape.H ** -0.5),
+                normal(2, (shape.F, shape.H), shape.F ** -0.5), normal(3, (M, shape.H), 1.0))
+
+    def loss(rows, w_gate_up, w_down, d_rows):
+        y = swiglu(rows @ w_gate_up) @ w_down
+        return jnp.sum(y.astype(_F32) * d_rows.astype(_F32))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), jax.jit(loss), draw(jax.random.key(4242))
+
+
+def timed(compiled, args, reps: int, warmups: int = 2) -> dict:
+    for _ in range(warmups - 1):  # time_calls warms up once more
+        jax.block_until_ready(compiled(*args))
+    times = _common.time_calls(compiled, args, reps)
+    return {"status": "ok", "times_ms": times, "median_ms": float(np.median(times))}
+
+
+def plan_groups(cfg, mesh, topk_idx, tile_m: int) -> dict:
+    """This point's groups and M tiles (plan_groupings.rank_summary of the plan's cu_seqlens)."""
+    import plan_groupings
+
+    cu = jax.jit(jax.shard_map(lambda i: plan(i, cfg).cu_seqlens, mesh=mesh, in_specs=P("ep"),
+                               out_specs=P("ep")))(topk_idx)
+    return plan_groupings.rank_summary(np.asarray(cu), 0, 1, tile_m, E=cfg.num_experts)
+
+
+def run_ncu(args, shape: Shape, out_dir: pathlib.Path, stem: str) -> dict:
+    """Re-runs this script under ncu for exactly one step (`--ncu-child`: two warm-up steps, then
+    one inside the NVTX range "step"), as shared/examples/profile_layer/run_ncu.sh does, and folds
+    the per-kernel times (gpu__time_duration.sum) into NCU_CATEGORIES. Runs before this process
+    touches the GPU (XLA's preallocation would leave the child no memory)."""
+    import csv
+    import re
+    import subprocess
+
+    ncu = find_ncu()
+    result = {"maxvio_target": args.ncu_maxvio, "categories_by": "re.search of NCU_CATEGORIES on "
+              "the kernel name, first match", "categories_regex": dict(NCU_CATEGORIES)}
+    if ncu is None:
+        return {**result, "status": "skipped: ncu not found (PATH, /usr/local/cuda/bin, "
+                                    "/opt/nvidia/nsight-compute)"}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = out_dir / f"{stem}_ncu.csv"
+    cmd = [ncu, "--nvtx", "--nvtx-include", "step/", "--metrics", "gpu__time_duration.sum",
+           "--csv", "--clock-control", "none", sys.executable, str(pathlib.Path(__file__).resolve()),
+           "--ncu-child", "--ncu-maxvio", str(args.ncu_maxvio)] + (["--quick"] if args.quick
+                                                                   else [])
+    result.update(ncu=ncu, command=" ".join(cmd), csv=str(csv_path))
+    t0 = time.perf_counter()
+    print(f"ncu: one step at maxvio {args.ncu_maxvio} (up to {args.ncu_timeout:.0f} s)", flush=True)
+    import signal
+
+    # Its own process group, so that a timeout (or this process ending) also ends the profiled
+    # python that ncu starts, instead of leaving it on the GPU.
+    with open(csv_path, "w") as stdout:
+        child = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                 start_new_session=True)
+        try:
+            _, stderr = child.communicate(timeout=args.ncu_timeout)
+        except subprocess.TimeoutExpired:
+            stderr = None
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+    result["seconds"] = time.perf_counter() - t0
+    if stderr is None:
+        return {**result, "status": f"failed: ncu run over {args.ncu_timeout:.0f} s"}
+    result["stderr_tail"] = stderr[-1500:]
+    rows = [r for r in csv.reader(open(csv_path)) if len(r) > 10]
+    if child.returncode != 0 or not rows:
+        return {**result, "status": f"failed: ncu rc {child.returncode}, {len(rows)} CSV rows"}
+    header = rows[0]
+    name_i, value_i, unit_i = (header.index(c) for c in ("Kernel Name", "Metric Value",
+                                                          "Metric Unit"))
+    scale = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0,
+             "s": 1e3, "second": 1e3}
+    per_name: dict[str, list] = {}
+    launches = []
+    for r in rows[1:]:
+        ms = float(r[value_i].replace(",", "")) * scale.get(r[unit_i], 1e-6)
+        name = r[name_i]
+        launches.append((name, ms))
+        entry = per_name.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += ms
+
+    def short(name: str) -> str:
+        name = name.replace("(anonymous namespace)::", "").removeprefix("void ")
+        return name.split("(")[0][:120]
+
+    categories = {c: {"ms": 0.0, "launches": 0, "kernels": []} for c, _ in NCU_CATEGORIES}
+    for name, (count, ms) in sorted(per_name.items(), key=lambda kv: -kv[1][1]):
+        cat = next(c for c, pattern in NCU_CATEGORIES if re.search(pattern, name))
+        categories[cat]["ms"] += ms
+        categories[cat]["launches"] += count
+        categories[cat]["kernels"].append({"name": short(name), "launches": count, "ms": ms})
+    total = sum(ms for _, ms in launches)
+    result.update(status="ok", total_kernel_ms=total, num_launches=len(launches),
+                  categories=categories,
+                  launch_order=[{"name": short(n), "ms": ms} for n, ms in launches])
+    print(f"ncu: {total:.2f} ms of kernels in {len(launches)} launches")
+    for cat, c in categories.items():
+        print(f"  {cat:18s} {c['ms']:8.2f} ms  {c['launches']:4d} launches")
+    return result
+
+
+def ncu_child(args) -> None:
+    """The profiled process: the one-GPU step, two warm-ups, one step inside NVTX range "step"."""
+    push, pop, _ = nvtx_push_pop()
+    shape = one_gpu_quick_shape() if args.quick else ONE_GPU
+    implementation = "cuda" if jax.default_backend() == "gpu" and _ffi.available() else "xla"
+    mesh, cfg, (x, topk_w, w_gate_up, w_down, d_out), step, _ = one_gpu_problem(shape,
+                                                                                 implementation)
+    topk_idx, _, _ = one_gpu_routing(mesh, shape, args.ncu_maxvio)
+    step_args = (x, topk_idx, topk_w, w_gate_up, w_down, d_out)
+    compiled = step.lower(*step_args).compile()
+    for _ in range(2):
+        jax.block_until_ready(compiled(*step_args))
+    push("step")
+    jax.block_until_ready(compiled(*step_args))
+    pop()
+    print("ncu child: done", file=sys.stderr, flush=True)
+
+
+def main_one_gpu(args) -> None:
+    shape = one_gpu_quick_shape() if args.quick else ONE_GPU
+    reps = args.reps if args.reps is not None else 5
+    tag = None
+    ncu = None
+    outs = [pathlib.Path(__file__).parent / "results"] + ([args.out] if args.out else [])
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(124))  # runs `finally`s
+    if args.ncu:  # first: this process has not touched the GPU yet
+        ncu_stem = "bench_layer_onegpu" + ("_quick" if args.quick else "")
+        ncu = run_ncu(args, shape, args.out or pathlib.Path("/tmp"), ncu_stem)
+    cuda = jax.default_backend() == "gpu" and _ffi.available()
+    implementation = "cuda" if cuda else "xla"
+    if not cuda and not args.quick:
+        print("bench_layer --one-gpu: skipped, the record shape needs the CUDA extension and a GPU "
+              f"(backend {jax.default_backend()!r}; {_ffi.unavailable_reason() or 'extension built'}"
+              "); --quick runs a tiny shape with the xla implementation")
+        return
+    devices = jax.devices()
+    tag = ("".join(c if c.isalnum() else "_" for c in devices[0].device_kind) + "x1"
+           if jax.default_backend() == "gpu" else "cpux1")
+    stem = f"bench_layer_{tag}_onegpu" + ("_quick" if args.quick else "")
+    tile_m = plan_tile_m()
+    mesh, cfg, (x, topk_w, w_gate_up, w_down, d_out), step, forward = one_gpu_problem(
+        shape, implementation)
+    K, S, H, F = shape.K, shape.S, shape.H, shape.F
+    flops_fwd = 2.0 * S * K * (H * 2 * F + F * H)
+    record = {"schema": "moonep_jax.bench_layer_one_gpu/1", **_common.provenance(),
+              "mode": "one_gpu", "gpu_used": f"{devices[0].device_kind} x1 (jax.devices()[0] of "
+              f"{len(devices)})", "process": "one process, one device; mesh ('ep',) of size 1",
+              "equivalent_to": "EP=2's per-rank work at the record shape (S=8192, K=8, E=384 "
+                               "over 2 ranks: 192 local experts, S*K = 65536 rows per rank)",
+              "shape": dataclasses.asdict(shape), "dtype": "bfloat16", "num_ranks": 1,
+              "implementation": implementation, "nvs": cfg.nvs, "prefetch_slots": cfg.num_slots,
+              "tile_m": tile_m, "reps": reps, "warmups": 2,
+              "timing": "median wall ms of reps calls of the compiled step after 2 warm-up calls, "
+                        "each until ready",
+              "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+              "routing": ONE_GPU_ROUTING,
+              "step": "jax.jit(jax.grad) of sum(out * d_out) (fp32) w.r.t. x, topk_w, w_gate_up, "
+                      "w_down; forward = the same loss without grad",
+              "dense_floor_method": "the same S*K rows through ONE dense SwiGLU expert: rows @ "
+                                    "W_gu [H, 2F], SwiGLU (fp32 math, bf16 out), @ W_down [F, H], "
+                                    "loss sum(y * d_rows) in fp32, jax.grad w.r.t. rows and both "
+                                    "weights (6 dense GEMMs); timed before and after the layer, "
+                                    "median over both",
+              "flops_fwd": flops_fwd, "points": [], "ncu": ncu}
+
+    def write():
+        for out in outs:
+            _common.write_json(out / f"{stem}.json", record)
+
+    print(f"one GPU: {record['gpu_used']}, {implementation}, shape {shape}", flush=True)
+    t0 = time.perf_counter()
+    dense_step, dense_fwd, dense_args = dense_floor(shape)
+    dense_step, dense_fwd = (dense_step.lower(*dense_args).compile(),
+                             dense_fwd.lower(*dense_args).compile())
+    dense = {"fwd_bwd": timed(dense_step, dense_args, reps), "fwd": timed(dense_fwd, dense_args,
+                                                                         reps)}
+    record["dense_floor"] = {"memory": memory_of(dense_step)}
+    print(f"dense floor: fwd+bwd {dense['fwd_bwd']['median_ms']:.3f} ms, fwd "
+          f"{dense['fwd']['median_ms']:.3f} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    compiled, memory = {}, {}
+    for maxvio in MAXVIOS:
+        topk_idx, sigma, realised = one_gpu_routing(mesh, shape, maxvio)
+        step_args = (x, topk_idx, topk_w, w_gate_up, w_down, d_out)
+        point = {"maxvio_target": maxvio, "maxvio_measured": realised, "sigma": sigma,
+                 "groups": plan_groups(cfg, mesh, topk_idx, tile_m), "results": []}
+        for name, fn in (("moonep fwd+bwd", step), ("moonep fwd", forward)):
+            try:
+                if name not in compiled:
+                    compiled[name] = fn.lower(*step_args).compile()
+                    memory[name] = memory_of(compiled[name])
+                result = {"method": name, **timed(compiled[name], step_args, reps)}
+            except Exception as e:  # noqa: BLE001  (recorded, the other points still run)
+                result = {"method": name, "status": f"failed: {type(e).__name__}: {str(e)[:400]}"}
+            point["results"].append(result)
+            print(f"maxvio {maxvio:5.1f} {name:15s} "
+                  f"{result.get('median_ms', float('nan')):9.3f} ms {result['status'][:120]}",
+                  flush=True)
+        record["points"].append(point)
+        write()
+    if jax.default_backend() == "gpu":
+        stats = devices[0].memory_stats() or {}
+        record["process_peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
+    for kind, fn in (("fwd_bwd", dense_step), ("fwd", dense_fwd)):  # again after the layer
+        again = timed(fn, dense_args, reps)
+        dense[kind]["times_ms"] += again["times_ms"]
+        dense[kind]["median_ms"] = float(np.median(dense[kind]["times_ms"]))
+    record["dense_floor"].update(
+        fwd_bwd=dense["fwd_bwd"], fwd=dense["fwd"],
+        fwd_bwd_tflops=3 * flops_fwd / (dense["fwd_bwd"]["median_ms"] * 1e-3) / 1e12,
+        fwd_tflops=flops_fwd / (dense["fwd"]["median_ms"] * 1e-3) / 1e12)
+    record["memory"] = {name: m for name, m in memory.items()}
+    record["memory_source"] = ("compiled.memory_analysis(): argument + output + temp - alias "
+                               "bytes; process_peak_bytes_in_use is the device allocator's peak "
+                               "over the whole run")
+    for point in record["points"]:
+        for r, floor in zip(point["results"], ("fwd_bwd", "fwd")):
+            if r["status"] == "ok":
+                r["ratio_to_dense_floor"] = r["median_ms"] / dense[floor]["median_ms"]
+        point["results"] += [{"method": "dense floor fwd+bwd", "status": "ok",
+                              "median_ms": dense["fwd_bwd"]["median_ms"]},
+                             {"method": "dense floor fwd", "status": "ok",
+                              "median_ms": dense["fwd"]["median_ms"]}]
+    steps = [p["results"][0]["median_ms"] for p in record["points"]
+             if p["results"][0]["status"] == "ok"]
+    if steps:
+        record["summary"] = {"fwd_bwd_ms": steps, "max_over_min": max(steps) / min(steps),
+                             "ratio_to_dense_floor": [s / dense["fwd_bwd"]["median_ms"]
+                                                      for s in steps],
+                             "dense_floor_fwd_bwd_ms": dense["fwd_bwd"]["median_ms"],
+                             "dense_floor_fwd_ms": dense["fwd"]["median_ms"]}
+    record["seconds"] = time.perf_counter() - t0
+    write()
+    print("ms, as a README table:")
+    print("| maxvio (measured) | M tiles | fwd+bwd | dense floor | ratio | fwd | dense fwd | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for p in record["points"]:
+        fb, fw = p["results"][0], p["results"][1]
+        print(f"| {p['maxvio_measured']:.2f} | {p['groups']['m_tiles']} | "
+              f"{fb.get('median_ms', float('nan')):.1f} | {dense['fwd_bwd']['median_ms']:.1f} | "
+              f"{fb.get('ratio_to_dense_floor', float('nan')):.2f}x | "
+              f"{fw.get('median_ms', float('nan')):.1f} | {dense['fwd']['median_ms']:.1f} | "
+              f"{fw.get('ratio_to_dense_floor', float('nan')):.2f}x |")
+    if ncu and ncu.get("status") == "ok":
+        print(f"ncu, one step at maxvio {ncu['maxvio_target']:g}: {ncu['total_kernel_ms']:.1f} ms "
+              f"of kernels in {ncu['num_launches']} launches")
+        print("| kernels | ms | launches |\n|---|---|---|")
+        for cat, c in ncu["categories"].items():
+            print(f"| {cat} | {c['ms']:.2f} | {c['launches']} |")
+    elif ncu:
+        print(f"ncu: {ncu.get('status')}")
+    print(f"dense floor: fwd+bwd {dense['fwd_bwd']['median_ms']:.2f} ms, fwd "
+          f"{dense['fwd']['median_ms']:.2f} ms; memory of the step (GB): " +
+          ", ".join(f"{n} {m.get('total_bytes', 0) / 1e9:.1f}" for n, m in memory.items()))
+    for out in outs:
+        plot(record, out / f"{stem}.png")
+    print(f"wrote {', '.join(str(o / stem) + '.json' for o in outs)} ({record['seconds']:.0f} s)")
+
+
+def plan_tile_m() -> int:
+    try:
+        from moonep_jax._cuda import gemm
+
+        return int(gemm.tile_m())
+    except Exception:  # noqa: BLE001  (pure-Python install)
+        return 256
+
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shape (CPU smoke test)")
     parser.add_argument("--out", type=pathlib.Path, default=None,
                         help="also write the JSON and PNG here (benchmarks/results always)")
-    parser.add_argument("--reps", type=int, default=3, help="timed steps per point")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="timed steps per point (3; --one-gpu 5)")
     parser.add_argument("--skip", action="append", default=[], choices=sorted(METHOD_BUDGET_S),
                         help="methods not to run (recorded as skipped, with SKIP_REASONS' reason)")
+    parser.add_argument("--one-gpu", action="store_true",
+                        help="R=1 with E=192 (EP=2's per-rank work) against the dense floor, on "
+                             "jax.devices()[0]; the default when there is one device")
+    parser.add_argument("--ncu", action="store_true",
+                        help="with --one-gpu (implied): first re-run one step under ncu and fold "
+                             "its per-kernel times into the record (needs ncu and CuPy or "
+                             "libnvToolsExt; about a minute more)")
+    parser.add_argument("--ncu-maxvio", type=float, default=1.0,
+                        help="the routing skew of the ncu step (default 1)")
+    parser.add_argument("--ncu-timeout", type=float, default=NCU_TIMEOUT_S,
+                        help=f"seconds for the ncu run (default {NCU_TIMEOUT_S})")
+    parser.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ncu_child:
+        ncu_child(args)
+        return
+    if args.one_gpu or args.ncu or len(jax.devices()) == 1:
+        main_one_gpu(args)
+        return
+    args.reps = args.reps or 3
 
     R = len(jax.devices())
     mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))

@@ -11,6 +11,9 @@
 # BENCH names are benchmark scripts without .py (bench_dispatch, bench_gemm, bench_layer) and may
 # carry arguments after a colon: bench_dispatch:--quick. GPU_STOP_ON_FAIL=1 skips the benchmarks
 # when a test failed (a kernel under test that hangs would otherwise hang every benchmark too).
+# GPU_SKIP_TESTS=1 runs the benchmarks alone (the device tool allows 10 minutes a command: the
+# tests and all benchmarks do not fit in one); GPU_BENCH_TIMEOUT (300 s) bounds each benchmark.
+# Quote a BENCH spec with several arguments: 'bench_layer:--one-gpu --ncu'.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,10 +42,14 @@ run() {
     echo "commit $(cat .gpu/COMMIT 2>/dev/null || echo unknown)"; } > "$OUT/gpu_tests.log" 2>&1
   cat "$OUT/gpu_tests.log"
   local status=0
-  # shellcheck disable=SC2086
-  timeout "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -v -rs --tb=short --durations=20 \
-    ${GPU_TEST_ARGS:-tests} \
-    2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
+  if [ "${GPU_SKIP_TESTS:-0}" = 1 ]; then
+    echo "== GPU tests skipped (GPU_SKIP_TESTS=1)" | tee -a "$OUT/gpu_tests.log"
+  else
+    # shellcheck disable=SC2086
+    timeout "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -v -rs --tb=short --durations=20 \
+      ${GPU_TEST_ARGS:-tests} \
+      2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
+  fi
   if [ "$status" != 0 ] && [ "${GPU_STOP_ON_FAIL:-0}" = 1 ]; then
     echo "== tests failed: benchmarks skipped (GPU_STOP_ON_FAIL=1)" | tee -a "$OUT/benchmarks.log"
     return $status
