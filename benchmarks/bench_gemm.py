@@ -36,9 +36,8 @@ block_n * grid_block_n), then that best config at every main grouping, within a 
 (--mgpu-budget; each group count is a compile).
 Every failure is recorded per config / grouping, never fatal.
 
-dW is timed as the layer calls it (`grouped_matmul_dw` through `dw_call` below, which adapts to
-the extension's signature: edit only there when the API changes); the record keeps the output
-dtypes and shapes the kernel produced.
+dW is timed as the layer calls it (`grouped_matmul_dw` through `dw_call` below); the record keeps
+the output dtypes and shapes the kernel produced.
 
 Writes benchmarks/results/bench_gemm_<gpu>x<count>.json (and into --out), rewritten after every
 step (and on SIGTERM), and prints a table. `--quick`: S = 512 (M = 4096 rows per rank), H = 512,
@@ -54,7 +53,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import inspect
 import json
 import pathlib
 import signal
@@ -184,32 +182,19 @@ def all_groupings(plans: dict, m_synthetic: int, tile_m: int) -> list[dict]:
 
 def dw_call(gemm, R: int, epn: int, num_slots: int):
     """`(jitted fn(x, dy, cu_seqlens, ep_rank, experts_to_copy), how)`: `grouped_matmul_dw` as
-    moe_ffn's backward calls it (unused slots left unwritten). Two signatures are known:
-      b044728:  (x, dy, cu, rank, num_local, num_slots, *, zero_empty_slots) -> 2 x fp32
-      bf16 dW:  (x, dy, cu, rank, experts_to_copy, num_local, num_partials, num_slots, *,
-                 zero_unused_slots) -> (bf16 local, fp32 partials, fp32 slots), with moe_ffn's
-                 (num_partials, num_slots) = (epn, B) when R > 1, (0, 0) at R = 1.
-    Adapt here when the API changes."""
+    moe_ffn's backward calls it: (bf16 local, fp32 partials, fp32 slots) with
+    `(num_partials, num_slots) = (epn, B)` when R > 1, `(0, 0)` at R = 1, unused slots left
+    unwritten (moonep_jax.experts.weight_grad_counts)."""
     fn = gemm.grouped_matmul_dw
-    params = inspect.signature(fn).parameters
-    if "experts_to_copy" in params:
-        partials, slots = (epn, num_slots) if R > 1 else (0, 0)
-        kw = {"zero_unused_slots": False} if "zero_unused_slots" in params else {}
+    partials, slots = (epn, num_slots) if R > 1 else (0, 0)
 
-        def call(x, dy, cu, rank, experts_to_copy):
-            return fn(x, dy, cu, rank, experts_to_copy, epn, partials, slots, **kw)
+    def call(x, dy, cu, rank, experts_to_copy):
+        return fn(x, dy, cu, rank, experts_to_copy, epn, partials, slots,
+                  zero_unused_slots=False)
 
-        how = (f"grouped_matmul_dw(x, dy, cu, rank, experts_to_copy, {epn}, {partials}, {slots}"
-               f", {kw})")
-    else:
-        kw = {"zero_empty_slots": False} if "zero_empty_slots" in params else {}
-
-        def call(x, dy, cu, rank, experts_to_copy):
-            del experts_to_copy
-            return fn(x, dy, cu, rank, epn, num_slots, **kw)
-
-        how = f"grouped_matmul_dw(x, dy, cu, rank, {epn}, {num_slots}, {kw})"
-    return jax.jit(call), f"{how}; signature {inspect.signature(fn)}"
+    how = (f"grouped_matmul_dw(x, dy, cu, rank, experts_to_copy, {epn}, {partials}, {slots}, "
+           "zero_unused_slots=False)")
+    return jax.jit(call), how
 
 
 def out_avals(fn, *args) -> list[dict]:
@@ -277,13 +262,16 @@ class XlaStandIns:
                                                     w_local.shape[0]))
 
     @classmethod
-    def grouped_matmul_dw(cls, x, dy, cu, rank, num_local, num_slots, *, zero_empty_slots=True):
-        del zero_empty_slots
-        sizes = cls._sizes(cu, rank, cu.shape[0] - num_slots, num_local)
+    def grouped_matmul_dw(cls, x, dy, cu, rank, experts_to_copy, num_local, num_partials,
+                          num_slots, *, zero_unused_slots=True):
+        del zero_unused_slots
+        all_slots = experts_to_copy.shape[1]
+        sizes = cls._sizes(cu, rank, cu.shape[0] - all_slots, num_local)
         group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x.shape[0]), side="right")
-        onehot = jax.nn.one_hot(group, num_local + num_slots, dtype=jnp.float32)
+        onehot = jax.nn.one_hot(group, num_local + all_slots, dtype=jnp.float32)
         dw = jnp.einsum("mg,md,mn->gdn", onehot, x.astype(jnp.float32), dy.astype(jnp.float32))
-        return dw[:num_local], dw[num_local:]
+        return (dw[:num_local].astype(x.dtype), dw[:num_partials],
+                dw[num_local:num_local + num_slots])
 
 
 class MgpuStandIn:

@@ -165,8 +165,10 @@ def cuda_grouped_gemm():
     def bwd(res, d_out):
         rows, w, sizes = res
         d_rows = gemm.grouped_matmul_dx(d_out, w, w, ends(sizes, w.shape[0]), rank0)
-        d_w, _ = gemm.grouped_matmul_dw(rows, d_out, ends(sizes, 1), rank0, w.shape[0], 1)
-        return d_rows, d_w.astype(w.dtype), None
+        no_replicas = jnp.full((1, 1), -1, jnp.int32)  # one rank, one empty slot group
+        d_w, _, _ = gemm.grouped_matmul_dw(rows, d_out, ends(sizes, 1), rank0, no_replicas,
+                                           w.shape[0], 0, 1)
+        return d_rows, d_w, None  # dW in the weights' dtype
 
     gmm.defvjp(fwd, bwd)
     return gmm
