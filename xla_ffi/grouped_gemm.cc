@@ -214,13 +214,11 @@ ffi::Error GmmDwImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
       .Attr<int32_t>("num_ranks")                                                    \
       .Attr<int64_t>("timeout_ns")
 
-// Capture-safe (XLA command buffers / CUDA graphs): every CuTe kernel is loaded on every device at
-// bootstrap (kernels/cutedsl/load_module.h), so the exported wrapper's launch path makes no call
-// that stream capture forbids, and the launchers allocate nothing.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmFwd, GmmFwdImpl, MOONEP_GMM_ROWS_BINDING,
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmDx, GmmDxImpl, MOONEP_GMM_ROWS_BINDING,
-                              {ffi::Traits::kCmdBufferCompatible});
+// NOTE: not kCmdBufferCompatible. The launch goes through the CuTe DSL's exported wrapper, which
+// makes runtime calls that stream capture forbids ("operation not permitted when stream is
+// capturing" on 2xH200 inside a captured layer step), so XLA must launch these handlers directly.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmFwd, GmmFwdImpl, MOONEP_GMM_ROWS_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmDx, GmmDxImpl, MOONEP_GMM_ROWS_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmDw, GmmDwImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -233,5 +231,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmDw, GmmDwImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dw_partial [epn | 0, D0, D1]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dw_slots [B | 0, D0, D1]
                                   .Ret<ffi::Buffer<ffi::S32>>()   // replica_flags scratch [epn]
-                                  .Attr<int32_t>("zero_unused_slots"),
-                              {ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int32_t>("zero_unused_slots"));

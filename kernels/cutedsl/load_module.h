@@ -9,7 +9,6 @@
 
 #include <cstdint>
 #include <mutex>
-#include <vector>
 
 namespace moonep::cutedsl {
 
@@ -55,33 +54,7 @@ class ExportedModule {
       load_to_device_(reinterpret_cast<void**>(&load_args));
       if (status != cudaSuccess) return status;
     }
-    return load_every_kernel(num_devices);
-  }
-
-  // With lazy loading (CUDA_MODULE_LOADING=LAZY, the default) a kernel is loaded into a device's
-  // context at its first launch, and a first launch inside XLA's command-buffer capture fails
-  // ("operation not permitted when stream is capturing"). So every kernel of the library is
-  // loaded on every device here, at bootstrap, and the handlers are capture-safe.
-  cudaError_t load_every_kernel(int32_t num_devices) {
-    unsigned int count = 0;
-    if (cudaError_t e = cudaLibraryGetKernelCount(&count, module_.module); e != cudaSuccess)
-      return e;
-    std::vector<cudaKernel_t> kernels(count);
-    if (cudaError_t e = cudaLibraryEnumerateKernels(kernels.data(), count, module_.module);
-        e != cudaSuccess)
-      return e;
-    int current = 0;
-    if (cudaError_t e = cudaGetDevice(&current); e != cudaSuccess) return e;
-    for (int32_t device = 0; device < num_devices; ++device) {
-      if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) return e;
-      for (cudaKernel_t kernel : kernels) {
-        cudaFuncAttributes attributes;
-        if (cudaError_t e = cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernel));
-            e != cudaSuccess)
-          return e;
-      }
-    }
-    return cudaSetDevice(current);
+    return cudaSuccess;
   }
 
   ModuleInitFn init_;
