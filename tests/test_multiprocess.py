@@ -1,0 +1,44 @@
+"""Several JAX processes (moonep_jax.launch, gloo on CPU) give bitwise the results of one.
+
+2 processes x 4 CPU devices and 1 process x 8 run the same global inputs (skewed lognormal
+routing with repeated ids and -1 entries, fresh seeds): plan, dispatch, combine, prefetch,
+grouped_matmul, reduce_grad and moe_ffn forward and gradients must be `np.array_equal`.
+Shapes are tiny: each launch starts fresh processes and compiles once (CI has 2 cores).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moonep_jax import launch
+
+from _mp_workloads import Sizes, assemble
+
+WORKLOADS = str(Path(__file__).with_name("_mp_workloads.py"))
+
+
+def _run(num_processes: int, devices_per_process: int, *args):
+    results = launch.run(f"{WORKLOADS}:ep_ops", num_processes, args,
+                         cpu_devices=devices_per_process, timeout_s=240)
+    return assemble([r.value for r in results])
+
+
+@pytest.mark.parametrize("maxvio", [10.0])
+def test_two_processes_bitwise_equal_to_one(seed, maxvio):
+    args = (seed, maxvio, "xla", "cpu", Sizes(S=6, K=3, E=16, H=8, F=8))
+    one = _run(1, 8, *args)
+    two = _run(2, 4, *args)
+    assert one.keys() == two.keys()
+    assert {"dst", "recv_x", "combine", "moe_ffn", "d_x", "d_w_gate_up", "reduce_grad"} <= set(one)
+    for name in one:
+        np.testing.assert_array_equal(two[name], one[name], err_msg=name)
+    assert (one["dst"] == np.iinfo(np.int32).min).any(), "the routing must drop entries"
+
+
+def test_failing_process_stops_the_job_with_its_output():
+    with pytest.raises(launch.LaunchError, match="exit codes") as info:
+        launch.run("moonep_jax.launch:load_target", 2, ("no_colon",), timeout_s=120)
+    assert "target must be" in str(info.value)
