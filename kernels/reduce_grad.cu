@@ -1,6 +1,6 @@
 #include "kernels/reduce_grad.h"
 
-#include "kernels/dispatch.h"
+#include "kernels/rendezvous.h"
 
 namespace moonep {
 namespace {
