@@ -2,10 +2,11 @@
 
 `run(target, num_processes, ...)` spawns N Python processes, each running
 `jax.distributed.initialize("127.0.0.1:<free port>", N, process_id)` and then `target(*args)`, and
-returns the N return values (pickled through a file each). On CPU the processes use gloo for
-XLA's collectives and simulate `cpu_devices` devices each; on GPU (`platform="gpu"`) each process
-sees the GPUs listed for it in `visible_devices` (by default all processes share GPU 0, which is
-the one-GPU test setup; run it under MPS, `moonep_jax.launch.mps`).
+returns the N return values (pickled through a file each). The CPU backend of every process has
+`cpu_devices` devices and uses gloo for XLA's collectives across processes (on GPU it serves the
+references of the tests); with `platform="gpu"` each process also sees the GPUs listed for it in
+`visible_devices` (by default all processes share GPU 0, which is the one-GPU test setup; run it
+under MPS, `moonep_jax.launch.mps`).
 
 Every wait is bounded: a process that fails makes the launcher kill the others at once (their
 own bounded waits would fire later anyway), and the whole job is killed after `timeout_s`.
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -70,19 +72,21 @@ def free_port() -> int:
 def run(target: str, num_processes: int, args: Sequence[Any] = (), *, platform: str = "cpu",
         cpu_devices: int = 1, visible_devices: Sequence[str] | None = None,
         env: dict[str, str] | None = None, timeout_s: float = 300.0,
-        expect_failure: bool = False) -> list[ProcessResult]:
+        expect_failure: bool = False, stop_on_failure: bool = True) -> list[ProcessResult]:
     """Runs `target(*args)` in `num_processes` local processes of one `jax.distributed` job.
 
     Args:
       target: "module:function" or "/path/file.py:function"; `args` must be picklable and so
         must its return value.
       num_processes: N >= 1.
-      platform: "cpu" (gloo collectives, `cpu_devices` devices per process) or "gpu".
+      platform: "cpu" (the CPU backend only) or "gpu" (GPUs and the CPU backend).
       visible_devices: per process, its `CUDA_VISIBLE_DEVICES` (GPU only; default "0" for all).
       env: extra environment for every process.
       timeout_s: bound of the whole job.
       expect_failure: return the results instead of raising when a process fails (tests of
         failure handling); a timeout still raises.
+      stop_on_failure: kill the other processes as soon as one fails (default); False lets each
+        run to its own end (tests that check how the others' bounded waits end).
 
     Returns:
       One `ProcessResult` per process, in process order.
@@ -103,21 +107,22 @@ def run(target: str, num_processes: int, args: Sequence[Any] = (), *, platform: 
         for pid in range(num_processes):
             child_env = dict(os.environ, **(env or {}))
             child_env["PYTHONUNBUFFERED"] = "1"
+            flags = " ".join(f for f in child_env.get("XLA_FLAGS", "").split()
+                             if not f.startswith(CPU_DEVICES_FLAG))
+            child_env["XLA_FLAGS"] = f"{flags} {CPU_DEVICES_FLAG}={cpu_devices}".strip()
             if platform == "cpu":
                 child_env["JAX_PLATFORMS"] = "cpu"
-                flags = " ".join(f for f in child_env.get("XLA_FLAGS", "").split()
-                                 if not f.startswith(CPU_DEVICES_FLAG))
-                child_env["XLA_FLAGS"] = f"{flags} {CPU_DEVICES_FLAG}={cpu_devices}".strip()
             else:
+                child_env.pop("JAX_PLATFORMS", None)  # GPU and CPU (the references) both
                 child_env["CUDA_VISIBLE_DEVICES"] = (visible_devices or ["0"] * num_processes)[pid]
             log = open(workdir / f"out{pid}.txt", "w+b")
             logs.append(log)
             cmd = [sys.executable, "-m", "moonep_jax.launch", "--target", target,
                    "--process-id", str(pid), "--num-processes", str(num_processes),
-                   "--port", str(port), "--platform", platform, "--workdir", str(workdir)]
+                   "--port", str(port), "--workdir", str(workdir)]
             procs.append(subprocess.Popen(cmd, env=child_env, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True))
-        codes = _wait_all(procs, timeout_s)
+        codes = _wait_all(procs, timeout_s, stop_on_failure)
         results = []
         for pid, (log, code) in enumerate(zip(logs, codes)):
             log.seek(0)
@@ -139,14 +144,17 @@ def run(target: str, num_processes: int, args: Sequence[Any] = (), *, platform: 
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[int | None]:
-    """Waits for every process; on the first failure or at the deadline kills the rest (their
-    whole process group). Returns exit codes, None for a process the launcher killed."""
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float,
+              stop_on_failure: bool) -> list[int | None]:
+    """Waits for every process; at the deadline (or, with `stop_on_failure`, the first failure)
+    kills the rest (their whole process group). Returns exit codes, None for a process the
+    launcher killed."""
     deadline = time.monotonic() + timeout_s
     codes: list[int | None] = [None] * len(procs)
     while any(p.poll() is None for p in procs):
         codes = [p.poll() for p in procs]
-        if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
+        failed = stop_on_failure and any(c not in (None, 0) for c in codes)
+        if failed or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     for i, p in enumerate(procs):
@@ -177,12 +185,11 @@ def load_target(target: str) -> Callable:
     return getattr(module, function)
 
 
-def initialize(process_id: int, num_processes: int, port: int, platform: str) -> None:
-    """`jax.distributed.initialize` on 127.0.0.1 (gloo collectives on CPU)."""
+def initialize(process_id: int, num_processes: int, port: int) -> None:
+    """`jax.distributed.initialize` on 127.0.0.1, gloo for the CPU backend's collectives."""
     import jax
 
-    if platform == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, process_id,
                                initialization_timeout=INIT_TIMEOUT_S)
 
@@ -223,13 +230,18 @@ def _child(argv: list[str]) -> int:
     parser.add_argument("--process-id", type=int, required=True)
     parser.add_argument("--num-processes", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--platform", default="cpu")
     parser.add_argument("--workdir", required=True)
     a = parser.parse_args(argv)
     workdir = Path(a.workdir)
-    initialize(a.process_id, a.num_processes, a.port, a.platform)
-    fn = load_target(a.target)
-    value = fn(*pickle.loads((workdir / "args.pkl").read_bytes()))
+    initialize(a.process_id, a.num_processes, a.port)
+    try:
+        fn = load_target(a.target)
+        value = fn(*pickle.loads((workdir / "args.pkl").read_bytes()))
+    except BaseException:  # noqa: BLE001 - report, then exit without jax's shutdown barrier
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     tmp = workdir / f"value{a.process_id}.tmp"
     tmp.write_bytes(pickle.dumps(value))
     tmp.rename(workdir / f"value{a.process_id}.pkl")

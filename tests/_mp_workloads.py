@@ -10,6 +10,9 @@ one GPU). The test process puts the global arrays back together with `assemble`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -102,18 +105,14 @@ def _stack(tree):
     return jax.tree.map(lambda leaf: leaf[None], tree)
 
 
-def ep_ops(seed: int, maxvio: float, impl: str, backend: str, sizes: Sizes = Sizes(),
-           dtype=np.float32, grads: bool = True) -> dict:
-    """plan, dispatch, combine, prefetch, grouped_matmul, reduce_grad and moe_ffn (forward and
-    gradients w.r.t. x, topk_w and both weights) on one global input; this process's shards."""
+@functools.cache
+def _compiled(impl: str, backend: str, sizes: Sizes, grads: bool, timeout_s: float = 10.0):
+    """(mesh, cfg, jitted per-rank ops) for one configuration: compiled once, fed many inputs."""
     mesh = mesh_of(backend)
     R = mesh.devices.size
-    cfg = config(R, sizes, impl)
+    cfg = config(R, sizes, impl, cuda=moonep_jax.CudaOptions(timeout_s=timeout_s))
     if impl == "cuda":
         moonep_jax.bootstrap(mesh, "ep")
-    g = global_inputs(seed, R, sizes, maxvio, dtype)
-    args = {k: put(mesh, v) for k, v in g.items()}
-    params_keys = ("w_gate_up", "w_down")
 
     def ops(topk_idx, x, topk_w, w_gate_up, w_down, d_out):
         p = moonep_jax.plan(topk_idx, cfg)
@@ -130,8 +129,7 @@ def ep_ops(seed: int, maxvio: float, impl: str, backend: str, sizes: Sizes = Siz
             g_slots = slots.astype(jnp.float32) * 0.5 + 1.0
             res["reduce_grad"] = moonep_jax.reduce_grad(w_gate_up.astype(jnp.float32), g_slots,
                                                         p, cfg)
-
-        params = dict(zip(params_keys, (w_gate_up, w_down)))
+        params = {"w_gate_up": w_gate_up, "w_down": w_down}
         res["moe_ffn"] = moonep_jax.moe_ffn(x, topk_idx, topk_w, params, cfg)
         if grads and cfg.trainable:
             def loss(x, topk_w, w_gate_up, w_down):
@@ -144,5 +142,97 @@ def ep_ops(seed: int, maxvio: float, impl: str, backend: str, sizes: Sizes = Siz
         return _stack(res)
 
     fn = jax.jit(jax.shard_map(ops, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    out = fn(*(args[k] for k in ("topk_idx", "x", "topk_w", "w_gate_up", "w_down", "d_out")))
-    return local_shards(out)
+    return mesh, cfg, fn
+
+
+INPUT_ORDER = ("topk_idx", "x", "topk_w", "w_gate_up", "w_down", "d_out")
+
+
+def ep_ops(seed: int, maxvio: float, impl: str, backend: str, sizes: Sizes = Sizes(),
+           dtype: str = "float32", grads: bool = True) -> dict:
+    """plan, dispatch, combine, prefetch, grouped_matmul, reduce_grad (training) and moe_ffn
+    (forward, and with `grads` the gradients w.r.t. x, topk_w and both weights) on one global
+    input; this process's shards."""
+    mesh, cfg, fn = _compiled(impl, backend, sizes, grads)
+    g = global_inputs(seed, cfg.num_ranks, sizes, maxvio, jnp.dtype(dtype))
+    return local_shards(fn(*(put(mesh, g[k]) for k in INPUT_ORDER)))
+
+
+# ---- GPU: the CUDA ops in N processes sharing one GPU, against xla on the CPU backend ---------
+
+def gpu_vs_cpu(seed: int, maxvios: tuple, cases: tuple) -> dict:
+    """For every (name, sizes, grads) case and maxvio: `{f"{name}/{maxvio}": (cuda, xla)}`, the
+    CUDA ops on the job's GPUs and the xla reference on its CPU devices, same inputs. Then reads
+    the transport's error records (raises if a kernel recorded one)."""
+    out = {}
+    for name, sizes, grads in cases:
+        for i, maxvio in enumerate(maxvios):
+            s = seed + 1000 * i
+            out[f"{name}/{maxvio}"] = (ep_ops(s, maxvio, "cuda", "gpu", sizes, "bfloat16", grads),
+                                       ep_ops(s, maxvio, "xla", "cpu", sizes, "bfloat16", grads))
+    moonep_jax.check_transport_errors()
+    return out
+
+
+@functools.cache
+def _comm_loop_fn(impl: str, backend: str, sizes: Sizes, timeout_s: float):
+    mesh = mesh_of(backend)
+    cfg = config(mesh.devices.size, sizes, impl, cuda=moonep_jax.CudaOptions(timeout_s=timeout_s))
+    if impl == "cuda":
+        moonep_jax.bootstrap(mesh, "ep")
+
+    def ops(topk_idx, x, topk_w, w_gate_up):
+        p = moonep_jax.plan(topk_idx, cfg)
+        recv_x, _, p = moonep_jax.dispatch(x, topk_w, p, cfg)
+        slots = moonep_jax.prefetch(w_gate_up, p, cfg)
+        return _stack(dict(dst=p.dst, combine=moonep_jax.combine(recv_x, p, cfg),
+                           slot_sum=jnp.sum(slots.astype(jnp.float32), axis=(1, 2))))
+
+    return mesh, jax.jit(jax.shard_map(ops, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+
+
+def _loop_inputs(seed: int, mesh, sizes: Sizes, n: int) -> list[tuple]:
+    maxvios = (0.0, 1.0, 5.0, 10.0, 20.0)
+    out = []
+    for i in range(n):
+        g = global_inputs(seed + i, mesh.devices.size, sizes, maxvios[i % len(maxvios)],
+                          jnp.bfloat16)
+        out.append(tuple(put(mesh, g[k]) for k in ("topk_idx", "x", "topk_w", "w_gate_up")))
+    return out
+
+
+def back_to_back(seed: int, calls: int, sizes: Sizes, distinct: int = 10) -> dict:
+    """`calls` CUDA calls back to back (no sync between them), cycling through `distinct`
+    routings; returns every call's shards of the routing-indexed results and the xla
+    references: `{"cuda": [per call], "xla": [per routing]}`."""
+    gpu_mesh, cuda = _comm_loop_fn("cuda", "gpu", sizes, 10.0)
+    cpu_mesh, xla = _comm_loop_fn("xla", "cpu", sizes, 10.0)
+    gpu_in = _loop_inputs(seed, gpu_mesh, sizes, distinct)
+    results = [cuda(*gpu_in[i % distinct]) for i in range(calls)]
+    jax.block_until_ready(results)
+    moonep_jax.check_transport_errors()
+    return {"cuda": [local_shards(r) for r in results],
+            "xla": [local_shards(xla(*a)) for a in _loop_inputs(seed, cpu_mesh, sizes, distinct)]}
+
+
+def die_mid_run(seed: int, victim: int, calls: int, sizes: Sizes, timeout_s: float) -> None:
+    """Every process runs CUDA calls back to back; process `victim` kills itself (SIGKILL) after
+    half of them. The others must end through their bounded waits: exit code 3 with the error."""
+    mesh, cuda = _comm_loop_fn("cuda", "gpu", sizes, timeout_s)
+    inputs = _loop_inputs(seed, mesh, sizes, 2)
+    try:
+        for i in range(calls):
+            jax.block_until_ready(cuda(*inputs[i % 2]))
+            if i == calls // 2 and jax.process_index() == victim:
+                print(f"process {victim}: killing myself after call {i}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+    except Exception as e:  # noqa: BLE001 - the bounded wait fired: report and exit at once
+        print(f"process {jax.process_index()}: the calls failed: {e}", flush=True)
+        os._exit(3)
+    print(f"process {jax.process_index()}: all {calls} calls returned", flush=True)
+
+
+def gpu_suite(seed: int, maxvios: tuple, cases: tuple, calls: int) -> dict:
+    """`gpu_vs_cpu`, then `back_to_back`, in the same processes (one start-up for both)."""
+    ops = gpu_vs_cpu(seed, maxvios, cases)
+    return {"ops": ops, "loop": back_to_back(seed + 1, calls, cases[0][1])}

@@ -3,7 +3,9 @@
 #
 #   bash tools/gpu.sh build            # here, on the CPU machine: compile the extension into .gpu/
 #   bash tools/gpu.sh run [BENCH ...]  # there, through the device tool with carry [".gpu"]:
-#                                      # every @pytest.mark.gpu test, then the named benchmarks
+#                                      # every @pytest.mark.gpu test (the multi-process ones in a
+#                                      # second pytest run that stays off the GPU itself), then the
+#                                      # named benchmarks
 #
 # `run` writes under $OUT (the device tool's folder that comes back, at most 8 files):
 # gpu_tests.log (environment + pytest), benchmarks.log, and each benchmark's JSON record (+ PNG)
@@ -40,9 +42,17 @@ run() {
   cat "$OUT/gpu_tests.log"
   local status=0
   # shellcheck disable=SC2086
-  timeout "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -v -rs --tb=short --durations=20 \
-    ${GPU_TEST_ARGS:-tests} \
+  timeout "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -m "gpu and not multiprocess_gpu" -v -rs \
+    --tb=short --durations=20 ${GPU_TEST_ARGS:-tests} \
     2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
+  # EP groups spanning processes: R = 2, 4, 8 processes sharing the GPU under MPS (the tests
+  # start the MPS daemon unless one runs). The test process itself stays off the GPU.
+  if [ -z "${GPU_TEST_ARGS:-}" ] || [ -n "${GPU_MP_TEST_ARGS:-}" ]; then
+    # shellcheck disable=SC2086
+    JAX_PLATFORMS=cpu timeout "${GPU_MP_TEST_TIMEOUT:-360}" python3 -m pytest -m multiprocess_gpu \
+      -v -rs --tb=short --durations=10 ${GPU_MP_TEST_ARGS:-tests/test_multiprocess_gpu.py} \
+      2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
+  fi
   if [ "$status" != 0 ] && [ "${GPU_STOP_ON_FAIL:-0}" = 1 ]; then
     echo "== tests failed: benchmarks skipped (GPU_STOP_ON_FAIL=1)" | tee -a "$OUT/benchmarks.log"
     return $status
