@@ -43,11 +43,13 @@ def get(key: str, timeout_s: float, what: str) -> str:
             f"(key {key!r}) and it never arrived: {e}") from e
 
 
-def barrier(name: str, timeout_s: float) -> None:
-    """All processes of the job meet here; raises TimeoutError naming the barrier."""
+def barrier(name: str, timeout_s: float, processes: list[int] | None = None) -> None:
+    """`processes` (default: all processes of the job) meet here; raises TimeoutError naming
+    the barrier. Every process of `processes` must pass the same list."""
     try:
-        _client().wait_at_barrier(name, int(timeout_s * 1000))
+        _client().wait_at_barrier(name, int(timeout_s * 1000), processes)
     except Exception as e:
+        who = "every process" if processes is None else f"every one of processes {processes}"
         raise TimeoutError(
             f"moonep_jax: process {jax.process_index()} waited {timeout_s:.0f} s at barrier "
-            f"{name!r} and not every process arrived: {e}") from e
+            f"{name!r} and not {who} arrived: {e}") from e

@@ -8,6 +8,7 @@ Shapes are tiny: each launch starts fresh processes and compiles once (CI has 2 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -42,3 +43,26 @@ def test_failing_process_stops_the_job_with_its_output():
     with pytest.raises(launch.LaunchError, match="exit codes") as info:
         launch.run("moonep_jax.launch:load_target", 2, ("no_colon",), timeout_s=120)
     assert "target must be" in str(info.value)
+
+
+@pytest.mark.parametrize("name,value,setting", [
+    ("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async", "XLA_PYTHON_CLIENT_ALLOCATOR='cuda_async'"),
+    ("XLA_PYTHON_CLIENT_ALLOCATOR", "platform", "XLA_PYTHON_CLIENT_ALLOCATOR='platform'"),
+    ("XLA_PYTHON_CLIENT_PREALLOCATE", "false", "XLA_PYTHON_CLIENT_PREALLOCATE=false"),
+])
+def test_pool_settings_that_cannot_be_mapped_once_are_refused(monkeypatch, name, value, setting):
+    from moonep_jax._cuda import transport
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(RuntimeError, match=re.escape(setting)):
+        transport.check_pool_settings()
+
+
+def test_default_pool_settings_pass_and_no_errors_without_transport(monkeypatch):
+    import moonep_jax
+    from moonep_jax._cuda import transport
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    transport.check_pool_settings()
+    moonep_jax.check_transport_errors()  # nothing bootstrapped here: nothing to report

@@ -285,7 +285,7 @@ ffi::Error open_shared_area(int32_t ordinal, const std::string& ipc_handle, uint
   });
 }
 
-ffi::Error export_pool(uint64_t ptr, int* fd, uint64_t* base, uint64_t* size) {
+ffi::Error export_pool(int32_t ordinal, uint64_t ptr, int* fd, uint64_t* base, uint64_t* size) {
   return on_helper_thread([&]() -> ffi::Error {
     MOONEP_DRIVER(cuPointerGetAttribute);
     MOONEP_DRIVER(cuMemRetainAllocationHandle);
@@ -296,15 +296,11 @@ ffi::Error export_pool(uint64_t ptr, int* fd, uint64_t* base, uint64_t* size) {
         ". The multi-process transport maps each peer's XLA memory pool once; it needs XLA's "
         "default allocator (unset XLA_PYTHON_CLIENT_ALLOCATOR, or set it to 'bfc'), with "
         "preallocation (XLA_PYTHON_CLIENT_PREALLOCATE unset or 'true').";
-    int ordinal = -1;
-    CUresult rc = cuPointerGetAttribute_(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                                         CUdeviceptr(ptr));
-    if (rc != CUDA_SUCCESS) return driver_error("cuPointerGetAttribute(DEVICE_ORDINAL)", rc, hint);
     MOONEP_CUDA_RETURN_IF_ERROR(kWhere, cudaSetDevice(ordinal));
     MOONEP_CUDA_RETURN_IF_ERROR(kWhere, cudaFree(nullptr));  // make the primary context current
     CUdeviceptr mapping_base = 0;
     size_t mapping_size = 0;
-    rc = cuPointerGetAttribute_(&mapping_base, CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR,
+    CUresult rc = cuPointerGetAttribute_(&mapping_base, CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR,
                                 CUdeviceptr(ptr));
     if (rc != CUDA_SUCCESS) return driver_error("cuPointerGetAttribute(MAPPING_BASE_ADDR)", rc, hint);
     rc = cuPointerGetAttribute_(&mapping_size, CU_POINTER_ATTRIBUTE_MAPPING_SIZE, CUdeviceptr(ptr));

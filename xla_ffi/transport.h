@@ -51,9 +51,9 @@ ffi::Error register_group(std::vector<RankInfo> ranks);
 ffi::Error create_shared_area(int32_t ordinal, uint64_t* area, std::string* ipc_handle);
 // Opens a peer process's area from its IPC handle, on device `ordinal`.
 ffi::Error open_shared_area(int32_t ordinal, const std::string& ipc_handle, uint64_t* area);
-// The XLA pool that contains `ptr` (a JAX array's device pointer): one VMM allocation, exported
+// The XLA pool that contains `ptr` (a JAX array's pointer on device `ordinal`): one VMM allocation,
 // as a POSIX file descriptor. Fails, naming the setting, when it is not such an allocation.
-ffi::Error export_pool(uint64_t ptr, int* fd, uint64_t* base, uint64_t* size);
+ffi::Error export_pool(int32_t ordinal, uint64_t ptr, int* fd, uint64_t* base, uint64_t* size);
 // Maps a peer's pool (imported from `fd`, a descriptor of this process) once, readable and
 // writable by this process's devices `ordinals`.
 ffi::Error map_pool(int fd, uint64_t size, const std::vector<int32_t>& ordinals, uint64_t* mapped);

@@ -57,10 +57,10 @@ uint64_t open_shared_area_py(int32_t ordinal, const py::bytes& handle) {
   return area;
 }
 
-std::tuple<int, uint64_t, uint64_t> export_pool_py(uint64_t ptr) {
+std::tuple<int, uint64_t, uint64_t> export_pool_py(int32_t ordinal, uint64_t ptr) {
   int fd = -1;
   uint64_t base = 0, size = 0;
-  without_gil([&] { return export_pool(ptr, &fd, &base, &size); });
+  without_gil([&] { return export_pool(ordinal, ptr, &fd, &base, &size); });
   return {fd, base, size};
 }
 
@@ -101,8 +101,9 @@ void register_transport_bindings(py::module_& m) {
         "A zeroed transport area on this process's CUDA device `ordinal`: (address, IPC handle).");
   m.def("open_shared_area", &open_shared_area_py, py::arg("ordinal"), py::arg("handle"),
         "Opens a peer process's area from its IPC handle; returns its address here.");
-  m.def("export_pool", &export_pool_py, py::arg("ptr"),
-        "(fd, base, size) of the XLA memory pool holding device pointer `ptr`, exported as a "
+  m.def("export_pool", &export_pool_py, py::arg("ordinal"), py::arg("ptr"),
+        "(fd, base, size) of the XLA memory pool holding pointer `ptr` on CUDA device `ordinal`, "
+        "exported as a "
         "POSIX file descriptor of this process.");
   m.def("map_pool", &map_pool_py, py::arg("fd"), py::arg("size"), py::arg("ordinals"),
         "Maps a peer's pool once from `fd` (a descriptor of this process), accessible from the "

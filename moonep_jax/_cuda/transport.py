@@ -237,6 +237,7 @@ def _bootstrap_across_processes(lib, group: list[jax.Device], timeout_s: float) 
     tag = "moonep_jax/transport/" + "-".join(str(d.id) for d in group)
     local = [d for d in group if d.process_index == me]
     ordinals = [d.local_hardware_id for d in local]
+    processes = sorted({d.process_index for d in group})
     host = host_id()
     own, exported = {}, []
     _allow_peers_to_take_fds(True)
@@ -277,13 +278,14 @@ def _bootstrap_across_processes(lib, group: list[jax.Device], timeout_s: float) 
                 _pools[(p["pid"], p["base"])] = mapped
             area = lib.open_shared_area(ordinals[0], bytes.fromhex(p["area"]))
             ranks.append((d.id, -1, area, p["base"], p["size"], mapped))
-        _distributed.barrier(f"{tag}/mapped", timeout_s)  # every peer holds its own descriptors
+        # Every peer holds its own descriptors now.
+        _distributed.barrier(f"{tag}/mapped", timeout_s, processes)
     finally:
         _allow_peers_to_take_fds(False)
         for fd in exported:
             os.close(fd)
     lib.register_group(ranks)
-    _distributed.barrier(f"{tag}/ready", timeout_s)
+    _distributed.barrier(f"{tag}/ready", timeout_s, processes)
 
 
 def _export_pool(lib, device: jax.Device) -> tuple[int, int, int]:
@@ -291,7 +293,7 @@ def _export_pool(lib, device: jax.Device) -> tuple[int, int, int]:
     probe = jax.device_put(np.zeros(1 << 12, np.uint8), device)
     later = jax.device_put(np.zeros(1 << 20, np.uint8), device)
     jax.block_until_ready((probe, later))
-    fd, base, size = lib.export_pool(probe.unsafe_buffer_pointer())
+    fd, base, size = lib.export_pool(device.local_hardware_id, probe.unsafe_buffer_pointer())
     if not base <= later.unsafe_buffer_pointer() < base + size:
         os.close(fd)
         raise RuntimeError(
