@@ -71,8 +71,10 @@ def free_port() -> int:
 
 def run(target: str, num_processes: int, args: Sequence[Any] = (), *, platform: str = "cpu",
         cpu_devices: int = 1, visible_devices: Sequence[str] | None = None,
+        local_device_ids: Sequence[Sequence[int]] | None = None,
         env: dict[str, str] | None = None, timeout_s: float = 300.0,
-        expect_failure: bool = False, stop_on_failure: bool = True) -> list[ProcessResult]:
+        expect_failure: bool = False, stop_on_failure: bool = True,
+        stream_output: bool = False) -> list[ProcessResult]:
     """Runs `target(*args)` in `num_processes` local processes of one `jax.distributed` job.
 
     Args:
@@ -80,13 +82,19 @@ def run(target: str, num_processes: int, args: Sequence[Any] = (), *, platform: 
         must its return value.
       num_processes: N >= 1.
       platform: "cpu" (the CPU backend only) or "gpu" (GPUs and the CPU backend).
-      visible_devices: per process, its `CUDA_VISIBLE_DEVICES` (GPU only; default "0" for all).
+      visible_devices: per process, its `CUDA_VISIBLE_DEVICES` (GPU only; default "0" for all,
+        unless `local_device_ids` is given).
+      local_device_ids: per process, the GPUs it drives (`jax.distributed.initialize`'s
+        `local_device_ids`; every process still sees every GPU, so that peers' memory can be
+        mapped): one process per GPU is `[[0], [1], ...]`.
       env: extra environment for every process.
       timeout_s: bound of the whole job.
       expect_failure: return the results instead of raising when a process fails (tests of
         failure handling); a timeout still raises.
       stop_on_failure: kill the other processes as soon as one fails (default); False lets each
         run to its own end (tests that check how the others' bounded waits end).
+      stream_output: the processes write to this process's stdout/stderr instead of a file
+        each (`ProcessResult.output` is then empty).
 
     Returns:
       One `ProcessResult` per process, in process order.
@@ -96,9 +104,11 @@ def run(target: str, num_processes: int, args: Sequence[Any] = (), *, platform: 
     """
     if platform not in ("cpu", "gpu"):
         raise ValueError(f"`platform` must be 'cpu' or 'gpu'; got {platform!r}.")
-    if visible_devices is not None and len(visible_devices) != num_processes:
-        raise ValueError(f"`visible_devices` needs one entry per process ({num_processes}); got "
-                         f"{len(visible_devices)}.")
+    for name, per_process in (("visible_devices", visible_devices),
+                              ("local_device_ids", local_device_ids)):
+        if per_process is not None and len(per_process) != num_processes:
+            raise ValueError(f"`{name}` needs one entry per process ({num_processes}); got "
+                             f"{len(per_process)}.")
     workdir = Path(tempfile.mkdtemp(prefix="moonep_launch_"))
     try:
         (workdir / "args.pkl").write_bytes(pickle.dumps(tuple(args)))
@@ -114,14 +124,19 @@ def run(target: str, num_processes: int, args: Sequence[Any] = (), *, platform: 
                 child_env["JAX_PLATFORMS"] = "cpu"
             else:
                 child_env.pop("JAX_PLATFORMS", None)  # GPU and CPU (the references) both
-                child_env["CUDA_VISIBLE_DEVICES"] = (visible_devices or ["0"] * num_processes)[pid]
+                if visible_devices is not None or local_device_ids is None:
+                    child_env["CUDA_VISIBLE_DEVICES"] = (visible_devices
+                                                         or ["0"] * num_processes)[pid]
             log = open(workdir / f"out{pid}.txt", "w+b")
             logs.append(log)
             cmd = [sys.executable, "-m", "moonep_jax.launch", "--target", target,
                    "--process-id", str(pid), "--num-processes", str(num_processes),
                    "--port", str(port), "--workdir", str(workdir)]
-            procs.append(subprocess.Popen(cmd, env=child_env, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            if local_device_ids is not None:
+                cmd += ["--local-device-ids", ",".join(str(i) for i in local_device_ids[pid])]
+            procs.append(subprocess.Popen(
+                cmd, env=child_env, stdout=None if stream_output else log,
+                stderr=None if stream_output else subprocess.STDOUT, start_new_session=True))
         codes = _wait_all(procs, timeout_s, stop_on_failure)
         results = []
         for pid, (log, code) in enumerate(zip(logs, codes)):
@@ -185,13 +200,25 @@ def load_target(target: str) -> Callable:
     return getattr(module, function)
 
 
-def initialize(process_id: int, num_processes: int, port: int) -> None:
+def initialize(process_id: int, num_processes: int, port: int,
+               local_device_ids: list[int] | None = None) -> None:
     """`jax.distributed.initialize` on 127.0.0.1, gloo for the CPU backend's collectives."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, process_id,
+                               local_device_ids=local_device_ids,
                                initialization_timeout=INIT_TIMEOUT_S)
+
+
+def visible_gpu_count() -> int:
+    """GPUs this host shows CUDA (by CUDA_VISIBLE_DEVICES, else /dev/nvidiaN), without touching
+    CUDA in this process."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return sum(1 for name in os.listdir("/dev") if name[6:].isdigit()
+               and name.startswith("nvidia")) if os.path.isdir("/dev") else 0
 
 
 @contextlib.contextmanager
@@ -231,9 +258,11 @@ def _child(argv: list[str]) -> int:
     parser.add_argument("--num-processes", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--workdir", required=True)
+    parser.add_argument("--local-device-ids", default=None)
     a = parser.parse_args(argv)
     workdir = Path(a.workdir)
-    initialize(a.process_id, a.num_processes, a.port)
+    local = None if a.local_device_ids is None else [int(i) for i in a.local_device_ids.split(",")]
+    initialize(a.process_id, a.num_processes, a.port, local)
     try:
         fn = load_target(a.target)
         value = fn(*pickle.loads((workdir / "args.pkl").read_bytes()))
