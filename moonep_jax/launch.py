@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import importlib
 import importlib.util
@@ -229,8 +230,8 @@ def mps(root: str | None = None) -> Iterator[dict[str, str]]:
     share; stops the daemon afterwards if this call started it. Without MPS, kernels of
     different processes on one GPU are time-sliced and a cross-process wait costs ~5 ms.
     """
-    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
-    if pipe and Path(pipe, "control").exists():
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")  # MPS's default
+    if Path(pipe, "control").exists():  # a daemon runs already: share it
         yield {"CUDA_MPS_PIPE_DIRECTORY": pipe,
                "CUDA_MPS_LOG_DIRECTORY": os.environ.get("CUDA_MPS_LOG_DIRECTORY", pipe)}
         return
@@ -251,6 +252,15 @@ def mps(root: str | None = None) -> Iterator[dict[str, str]]:
         time.sleep(1.0)
 
 
+def exit_now(code: int) -> None:
+    """Exits at once, skipping `jax.distributed.shutdown`'s barrier (a dead peer would hold it
+    up), after flushing Python's and C's output buffers (device printf goes through C's)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ctypes.CDLL(None).fflush(None)
+    os._exit(code)
+
+
 def _child(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m moonep_jax.launch")
     parser.add_argument("--target", required=True)
@@ -268,9 +278,7 @@ def _child(argv: list[str]) -> int:
         value = fn(*pickle.loads((workdir / "args.pkl").read_bytes()))
     except BaseException:  # noqa: BLE001 - report, then exit without jax's shutdown barrier
         traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        exit_now(1)
     tmp = workdir / f"value{a.process_id}.tmp"
     tmp.write_bytes(pickle.dumps(value))
     tmp.rename(workdir / f"value{a.process_id}.pkl")
@@ -281,7 +289,7 @@ def _child(argv: list[str]) -> int:
     from moonep_jax import _distributed
 
     _distributed.barrier("moonep_jax.launch/done", INIT_TIMEOUT_S)
-    os._exit(0)
+    exit_now(0)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import moonep_jax
-from moonep_jax import routing
+from moonep_jax import launch, routing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +228,7 @@ def die_mid_run(seed: int, victim: int, calls: int, sizes: Sizes, timeout_s: flo
                 os.kill(os.getpid(), signal.SIGKILL)
     except Exception as e:  # noqa: BLE001 - the bounded wait fired: report and exit at once
         print(f"process {jax.process_index()}: the calls failed: {e}", flush=True)
-        os._exit(3)
+        launch.exit_now(3)
     print(f"process {jax.process_index()}: all {calls} calls returned", flush=True)
 
 

@@ -53,6 +53,16 @@ def mesh_devices():
     return jax.devices()
 
 
+@pytest.fixture(autouse=True)
+def _transport_errors_checked(request):
+    """After every GPU test: no kernel left an error in a transport area's record."""
+    yield
+    if "gpu" in request.keywords and _gpu_skip_reason() is None:
+        import moonep_jax
+
+        moonep_jax.check_transport_errors()
+
+
 @pytest.fixture
 def mesh_factory():
     """`mesh_factory(R)` -> 1-D ("ep",) mesh over the first R devices; skips if there are fewer.
