@@ -267,20 +267,46 @@ ffi::Error create_shared_area(int32_t ordinal, uint64_t* area, std::string* ipc_
   });
 }
 
-ffi::Error open_shared_area(int32_t ordinal, const std::string& ipc_handle, uint64_t* area) {
+ffi::Error pci_bus_id(int32_t ordinal, std::string* id) {
+  char buffer[64] = {};
+  MOONEP_CUDA_RETURN_IF_ERROR(kWhere, cudaDeviceGetPCIBusId(buffer, sizeof(buffer), ordinal));
+  *id = buffer;
+  return ffi::Error::Success();
+}
+
+ffi::Error open_shared_area(const std::vector<int32_t>& ordinals, const std::string& ipc_handle,
+                            const std::string& pci_bus_id, uint64_t* area) {
+  if (ordinals.empty()) {
+    return ffi::Error::InvalidArgument("moonep transport: open_shared_area needs a device.");
+  }
   if (ipc_handle.size() != sizeof(cudaIpcMemHandle_t)) {
     return ffi::Error::InvalidArgument(std::string(kWhere) + ": a peer's area handle has " +
                                        std::to_string(ipc_handle.size()) + " bytes, not " +
                                        std::to_string(sizeof(cudaIpcMemHandle_t)) + ".");
   }
   return on_helper_thread([&]() -> ffi::Error {
-    MOONEP_CUDA_RETURN_IF_ERROR(kWhere, cudaSetDevice(ordinal));
+    MOONEP_CUDA_RETURN_IF_ERROR(kWhere, cudaSetDevice(ordinals[0]));
     cudaIpcMemHandle_t handle;
     std::memcpy(&handle, ipc_handle.data(), sizeof(handle));
     void* p = nullptr;
     MOONEP_CUDA_RETURN_IF_ERROR(
         kWhere, cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess));
     *area = reinterpret_cast<uint64_t>(p);
+    int owner = -1;
+    if (cudaDeviceGetByPCIBusId(&owner, pci_bus_id.c_str()) != cudaSuccess) {
+      cudaGetLastError();  // not visible here: only the first device reaches it (through IPC)
+      return ffi::Error::Success();
+    }
+    for (size_t i = 1; i < ordinals.size(); ++i) {
+      if (ordinals[i] == owner) continue;
+      MOONEP_CUDA_RETURN_IF_ERROR(kWhere, cudaSetDevice(ordinals[i]));
+      const cudaError_t err = cudaDeviceEnablePeerAccess(owner, 0);
+      if (err == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();
+      } else if (err != cudaSuccess) {
+        return cuda_error(kWhere, "cudaDeviceEnablePeerAccess (a peer process's device)", err);
+      }
+    }
     return ffi::Error::Success();
   });
 }

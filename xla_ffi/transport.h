@@ -49,8 +49,13 @@ ffi::Error register_group(std::vector<RankInfo> ranks);
 // This process's side of a group that spans processes, before `register_group`: a zeroed area on
 // device `ordinal` and its CUDA IPC handle.
 ffi::Error create_shared_area(int32_t ordinal, uint64_t* area, std::string* ipc_handle);
-// Opens a peer process's area from its IPC handle, on device `ordinal`.
-ffi::Error open_shared_area(int32_t ordinal, const std::string& ipc_handle, uint64_t* area);
+// Opens a peer process's area from its IPC handle for this process's devices `ordinals`: opened
+// on the first, and peer access enabled from the others to the area's device, the one with PCI
+// bus id `pci_bus_id` (when this process sees it; CUDA IPC works without).
+ffi::Error open_shared_area(const std::vector<int32_t>& ordinals, const std::string& ipc_handle,
+                            const std::string& pci_bus_id, uint64_t* area);
+// The PCI bus id of this process's CUDA device `ordinal` (how peers name it).
+ffi::Error pci_bus_id(int32_t ordinal, std::string* id);
 // The XLA pool that contains `ptr` (a JAX array's pointer on device `ordinal`): one VMM allocation,
 // as a POSIX file descriptor. Fails, naming the setting, when it is not such an allocation.
 ffi::Error export_pool(int32_t ordinal, uint64_t ptr, int* fd, uint64_t* base, uint64_t* size);

@@ -50,11 +50,18 @@ std::tuple<uint64_t, py::bytes> create_shared_area_py(int32_t ordinal) {
   return {area, py::bytes(handle)};
 }
 
-uint64_t open_shared_area_py(int32_t ordinal, const py::bytes& handle) {
+uint64_t open_shared_area_py(const std::vector<int32_t>& ordinals, const py::bytes& handle,
+                             const std::string& pci) {
   const std::string h = handle;
   uint64_t area = 0;
-  without_gil([&] { return open_shared_area(ordinal, h, &area); });
+  without_gil([&] { return open_shared_area(ordinals, h, pci, &area); });
   return area;
+}
+
+std::string pci_bus_id_py(int32_t ordinal) {
+  std::string id;
+  without_gil([&] { return pci_bus_id(ordinal, &id); });
+  return id;
 }
 
 std::tuple<int, uint64_t, uint64_t> export_pool_py(int32_t ordinal, uint64_t ptr) {
@@ -99,8 +106,12 @@ void register_transport_bindings(py::module_& m) {
         "pool. Enables peer access and loads every kernel.");
   m.def("create_shared_area", &create_shared_area_py, py::arg("ordinal"),
         "A zeroed transport area on this process's CUDA device `ordinal`: (address, IPC handle).");
-  m.def("open_shared_area", &open_shared_area_py, py::arg("ordinal"), py::arg("handle"),
-        "Opens a peer process's area from its IPC handle; returns its address here.");
+  m.def("open_shared_area", &open_shared_area_py, py::arg("ordinals"), py::arg("handle"),
+        py::arg("pci_bus_id"),
+        "Opens a peer process's area (on the device with that PCI bus id) from its IPC handle "
+        "for this process's devices `ordinals`; returns its address here.");
+  m.def("pci_bus_id", &pci_bus_id_py, py::arg("ordinal"),
+        "The PCI bus id of this process's CUDA device `ordinal`.");
   m.def("export_pool", &export_pool_py, py::arg("ordinal"), py::arg("ptr"),
         "(fd, base, size) of the XLA memory pool holding pointer `ptr` on CUDA device `ordinal`, "
         "exported as a "

@@ -248,7 +248,8 @@ def _bootstrap_across_processes(lib, group: list[jax.Device], timeout_s: float) 
             exported.append(fd)
             own[d.id] = area
             _distributed.put(f"{tag}/{d.id}", json.dumps(dict(
-                pid=os.getpid(), fd=fd, base=base, size=size, area=handle.hex(), host=host)))
+                pid=os.getpid(), fd=fd, base=base, size=size, area=handle.hex(), host=host,
+                pci=lib.pci_bus_id(d.local_hardware_id))))
         peers = {}
         for d in group:
             if d.process_index != me:
@@ -276,7 +277,7 @@ def _bootstrap_across_processes(lib, group: list[jax.Device], timeout_s: float) 
                 finally:
                     os.close(fd)
                 _pools[(p["pid"], p["base"])] = mapped
-            area = lib.open_shared_area(ordinals[0], bytes.fromhex(p["area"]))
+            area = lib.open_shared_area(ordinals, bytes.fromhex(p["area"]), p["pci"])
             ranks.append((d.id, -1, area, p["base"], p["size"], mapped))
         # Every peer holds its own descriptors now.
         _distributed.barrier(f"{tag}/mapped", timeout_s, processes)
