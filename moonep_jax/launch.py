@@ -40,6 +40,7 @@ from typing import Any
 CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 # Bound of jax.distributed.initialize in each process (the coordinator waits for every process).
 INIT_TIMEOUT_S = 60
+RELEASE_FILE = "release"  # created by the launcher when process 0 may exit
 
 
 class LaunchError(RuntimeError):
@@ -138,7 +139,7 @@ def run(target: str, num_processes: int, args: Sequence[Any] = (), *, platform: 
             procs.append(subprocess.Popen(
                 cmd, env=child_env, stdout=None if stream_output else log,
                 stderr=None if stream_output else subprocess.STDOUT, start_new_session=True))
-        codes = _wait_all(procs, timeout_s, stop_on_failure)
+        codes = _wait_all(procs, timeout_s, stop_on_failure, workdir / RELEASE_FILE)
         results = []
         for pid, (log, code) in enumerate(zip(logs, codes)):
             log.seek(0)
@@ -160,15 +161,18 @@ def run(target: str, num_processes: int, args: Sequence[Any] = (), *, platform: 
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout_s: float,
-              stop_on_failure: bool) -> list[int | None]:
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float, stop_on_failure: bool,
+              release: Path) -> list[int | None]:
     """Waits for every process; at the deadline (or, with `stop_on_failure`, the first failure)
-    kills the rest (their whole process group). Returns exit codes, None for a process the
-    launcher killed."""
+    kills the rest (their whole process group). Process 0 hosts the coordination service, whose
+    end makes the others' jax runtimes abort: it is released (the file `release`) only once the
+    others have exited. Returns exit codes, None for a process the launcher killed."""
     deadline = time.monotonic() + timeout_s
     codes: list[int | None] = [None] * len(procs)
     while any(p.poll() is None for p in procs):
         codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes[1:]) and not release.exists():
+            release.touch()
         failed = stop_on_failure and any(c not in (None, 0) for c in codes)
         if failed or time.monotonic() > deadline:
             break
@@ -289,6 +293,10 @@ def _child(argv: list[str]) -> int:
     from moonep_jax import _distributed
 
     _distributed.barrier("moonep_jax.launch/done", INIT_TIMEOUT_S)
+    if a.process_id == 0:  # the coordination service lives here: outlast the others
+        deadline = time.monotonic() + INIT_TIMEOUT_S
+        while not (workdir / RELEASE_FILE).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
     exit_now(0)
 
 

@@ -236,3 +236,53 @@ def gpu_suite(seed: int, maxvios: tuple, cases: tuple, calls: int) -> dict:
     """`gpu_vs_cpu`, then `back_to_back`, in the same processes (one start-up for both)."""
     ops = gpu_vs_cpu(seed, maxvios, cases)
     return {"ops": ops, "loop": back_to_back(seed + 1, calls, cases[0][1])}
+
+
+# ---- CPU: the multi-process bootstrap's exchange, with a stand-in for the extension's CUDA steps
+
+class FakeTransportLib:
+    """The extension's bootstrap steps without CUDA: a "pool" is a file holding its owner's pid,
+    exported as a real descriptor, so that `pidfd_getfd` and the key-value exchange run for real."""
+
+    MAX_RANKS = 8
+
+    def __init__(self, workdir: str):
+        self.workdir, self.registered, self.taken = workdir, [], []
+
+    def create_shared_area(self, ordinal):
+        return 0xA0000 + os.getpid(), bytes(64)
+
+    def pci_bus_id(self, ordinal):
+        return f"0000:{ordinal:02x}:00.0"
+
+    def export_pool(self, ordinal, ptr):
+        path = f"{self.workdir}/pool_{os.getpid()}"
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+        return os.open(path, os.O_RDONLY), 0, 1 << 62  # every pointer "in the pool"
+
+    def map_pool(self, fd, size, ordinals):
+        self.taken.append(int(os.pread(fd, 32, 0)))  # the exporter's pid, read through our fd
+        return 0xB0000 + self.taken[-1]
+
+    def open_shared_area(self, ordinals, handle, pci):
+        return 0xC0000
+
+    def register_group(self, ranks):
+        self.registered.append(ranks)
+
+
+def fake_bootstrap_across_processes(workdir: str, fake_hosts: bool) -> dict:
+    """Runs the multi-process bootstrap of a 1-D mesh over every CPU device with the stand-in."""
+    from moonep_jax._cuda import transport
+
+    if fake_hosts:
+        transport.host_id = lambda: f"host{jax.process_index()}"
+    lib = FakeTransportLib(workdir)
+    group = sorted(jax.devices(), key=lambda d: d.id)
+    try:
+        transport._bootstrap_across_processes(lib, group, timeout_s=60)
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"pid": os.getpid(), "registered": lib.registered, "taken": lib.taken,
+            "process": jax.process_index()}

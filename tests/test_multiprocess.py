@@ -66,3 +66,33 @@ def test_default_pool_settings_pass_and_no_errors_without_transport(monkeypatch)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
     transport.check_pool_settings()
     moonep_jax.check_transport_errors()  # nothing bootstrapped here: nothing to report
+
+
+def test_multiprocess_bootstrap_exchanges_handles_and_takes_peer_descriptors(tmp_path):
+    """The bootstrap of an EP group spanning 2 processes x 2 devices, with the extension's CUDA
+    steps stood in for: handles travel through the key-value store, each process takes its
+    peer's pool descriptor with pidfd_getfd, and registers every rank (local: its ordinal and
+    area; remote: the peer's mapped pool and base)."""
+    results = launch.run(f"{WORKLOADS}:fake_bootstrap_across_processes", 2,
+                         (str(tmp_path), False), cpu_devices=2, timeout_s=120)
+    pids = {r.value["process"]: r.value["pid"] for r in results}
+    for r in results:
+        me, other = r.value["process"], 1 - r.value["process"]
+        assert r.value["taken"] == [pids[other]]  # read through the descriptor it took
+        (ranks,) = r.value["registered"]
+        ids = [rank[0] for rank in ranks]  # device ids in rank order (jax's, per process)
+        assert ids == sorted(ids) and len(set(ids)) == 4
+        for rank, (device_id, ordinal, area, base, size, mapped) in enumerate(ranks):
+            if rank // 2 == me:
+                assert ordinal >= 0 and area == 0xA0000 + pids[me] and size == 0
+            else:
+                assert ordinal == -1 and area == 0xC0000 and mapped == 0xB0000 + pids[other]
+                assert size == 1 << 62
+
+
+def test_multiprocess_bootstrap_refuses_an_ep_group_spanning_hosts(tmp_path):
+    results = launch.run(f"{WORKLOADS}:fake_bootstrap_across_processes", 2,
+                         (str(tmp_path), True), cpu_devices=2, timeout_s=120)
+    for r in results:
+        assert "spans several hosts" in r.value["error"]
+        assert "('data', 'ep')" in r.value["error"]
