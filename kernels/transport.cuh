@@ -71,9 +71,11 @@ enum ErrorCode : uint32_t {
   kErrPeerAddress = 5,     // a peer process published an address outside its mapped XLA pool
 };
 
-// First error seen on this device's area (later errors do not overwrite it). Kernels that trap
-// print the same fields; kernels that report without trapping (bad plan data) leave it for the
-// host, which reads it at `moonep_jax.check_transport_errors()` (no host sync per call).
+// First error seen on this device's area (later errors do not overwrite it). The kernel that
+// keeps it also copies it to the area's mirror in mapped pinned host memory
+// (`GroupView::error_mirror`), which the host reads with plain loads at
+// `moonep_jax.check_transport_errors()`: no CUDA call, no sync per call, and still readable after
+// a trap has lost the CUDA context. Kernels that trap also print the same fields.
 struct ErrorRecord {
   uint32_t code;
   int32_t rank;
@@ -107,6 +109,7 @@ struct GroupView {
   uint64_t pool_base[kMaxRanks];
   uint64_t pool_size[kMaxRanks];
   uint64_t pool_mapped[kMaxRanks];
+  ErrorRecord* error_mirror;      // host-mapped mirror of this rank's error record (may be null)
 };
 
 // Registers a kernel so that every transport context loads it on each device of its group when
@@ -171,6 +174,15 @@ __device__ inline bool record_error(const GroupView& g, uint32_t code, uint32_t 
   int n = 0;
   for (; what != nullptr && what[n] != '\0' && n < int(sizeof(e->what)) - 1; ++n) e->what[n] = what[n];
   e->what[n] = '\0';
+  if (volatile ErrorRecord* m = g.error_mirror) {  // fields first, the code last
+    m->rank = g.rank;
+    m->epoch = epoch;
+    m->slot = slot;
+    m->detail = detail;
+    for (int i = 0; i <= n; ++i) m->what[i] = e->what[i];
+    __threadfence_system();
+    m->code = code;
+  }
   __threadfence_system();
   return true;
 }

@@ -227,7 +227,11 @@ def die_mid_run(seed: int, victim: int, calls: int, sizes: Sizes, timeout_s: flo
                 print(f"process {victim}: killing myself after call {i}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
     except Exception as e:  # noqa: BLE001 - the bounded wait fired: report and exit at once
+        from moonep_jax._cuda import transport
+
         print(f"process {jax.process_index()}: the calls failed: {e}", flush=True)
+        for record in transport.transport_errors(clear=False):  # host-mapped: survives the trap
+            print(f"process {jax.process_index()}: {transport.describe_error(record)}", flush=True)
         launch.exit_now(3)
     print(f"process {jax.process_index()}: all {calls} calls returned", flush=True)
 

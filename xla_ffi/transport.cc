@@ -4,6 +4,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -21,14 +22,18 @@ namespace {
 constexpr const char* kWhere = "moonep transport";
 
 struct TransportContext {
-  std::vector<RankInfo> ranks;  // rank order
+  std::vector<RankInfo> ranks;          // rank order
+  std::vector<ErrorRecord*> mirrors;    // per rank: device address of its error mirror (local)
 };
 
-// An area this process owns (allocated here), whose error record `read_errors` reads.
+// An area this process owns (allocated here) and its error record's host-mapped mirror, which
+// `read_errors` reads.
 struct OwnedArea {
   int32_t device_id;
   int32_t ordinal;
   PeerArea* area;
+  ErrorRecord* mirror_host;
+  ErrorRecord* mirror_device;
 };
 
 std::vector<const void*>& preload_kernels() {
@@ -171,7 +176,18 @@ ffi::Error preload_on_current_device() {
   return ffi::Error::Success();
 }
 
-ffi::Error init_local_ranks(std::vector<RankInfo>& ranks) {
+// A zeroed ErrorRecord in mapped pinned host memory: (host address, device address).
+ffi::Error new_error_mirror(ErrorRecord** host, ErrorRecord** device) {
+  MOONEP_CUDA_RETURN_IF_ERROR(kWhere, cudaHostAlloc(reinterpret_cast<void**>(host),
+                                                    sizeof(ErrorRecord),
+                                                    cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(*host, 0, sizeof(ErrorRecord));
+  MOONEP_CUDA_RETURN_IF_ERROR(kWhere,
+                              cudaHostGetDevicePointer(reinterpret_cast<void**>(device), *host, 0));
+  return ffi::Error::Success();
+}
+
+ffi::Error init_local_ranks(std::vector<RankInfo>& ranks, std::vector<OwnedArea>& owned) {
   for (RankInfo& r : ranks) {
     if (r.ordinal < 0) continue;
     MOONEP_CUDA_RETURN_IF_ERROR(kWhere, cudaSetDevice(r.ordinal));
@@ -182,6 +198,9 @@ ffi::Error init_local_ranks(std::vector<RankInfo>& ranks) {
       r.area = reinterpret_cast<uint64_t>(area);
     }
     r.pool_base = r.pool_size = r.pool_mapped = 0;  // own address space
+    OwnedArea o{r.device_id, r.ordinal, reinterpret_cast<PeerArea*>(r.area), nullptr, nullptr};
+    if (auto err = new_error_mirror(&o.mirror_host, &o.mirror_device); err.failure()) return err;
+    owned.push_back(o);
     if (auto err = preload_on_current_device(); err.failure()) return err;
   }
   for (ModuleLoader load : module_loaders()) {  // each loads on every device, once per process
@@ -239,16 +258,20 @@ ffi::Error register_group(std::vector<RankInfo> ranks) {
           " and now as " + std::to_string(r.device_id) + ".");
     }
   }
-  if (auto err = on_helper_thread([&] { return init_local_ranks(ranks); }); err.failure()) {
+  std::vector<OwnedArea> owned;
+  if (auto err = on_helper_thread([&] { return init_local_ranks(ranks, owned); });
+      err.failure()) {
     return err;  // areas of a failed group are leaked on purpose: rare
   }
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    const RankInfo& r = ranks[i];
-    if (r.ordinal < 0) continue;
-    device_id_of_ordinal[r.ordinal] = r.device_id;
-    owned_areas.push_back({r.device_id, r.ordinal, reinterpret_cast<PeerArea*>(r.area)});
-  }
   auto ctx = std::make_unique<TransportContext>();
+  ctx->mirrors.assign(ranks.size(), nullptr);
+  for (const OwnedArea& o : owned) {
+    device_id_of_ordinal[o.ordinal] = o.device_id;
+    owned_areas.push_back(o);
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      if (ranks[i].device_id == o.device_id) ctx->mirrors[i] = o.mirror_device;
+    }
+  }
   ctx->ranks = std::move(ranks);
   registry.emplace(ids, std::move(ctx));
   return ffi::Error::Success();
@@ -394,24 +417,30 @@ ffi::Error read_errors(bool clear, std::vector<TransportError>* errors) {
     std::lock_guard<std::mutex> lock(registry_mutex);
     areas = owned_areas;
   }
+  std::vector<const OwnedArea*> to_clear;
+  for (const OwnedArea& a : areas) {
+    const volatile ErrorRecord* m = a.mirror_host;  // written by kernels over PCIe
+    const uint32_t code = m->code;
+    if (code == kErrNone) continue;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    TransportError e{a.device_id, code, error_code_name(code), m->rank, m->epoch, m->slot,
+                     m->detail, ""};
+    for (size_t i = 0; i + 1 < sizeof(m->what) && m->what[i] != '\0'; ++i) e.what += m->what[i];
+    errors->push_back(e);
+    to_clear.push_back(&a);
+  }
+  if (!clear || to_clear.empty()) return ffi::Error::Success();
+  // Reset the device records (so that later errors are kept again), then the mirrors.
   return on_helper_thread([&]() -> ffi::Error {
-    for (const OwnedArea& a : areas) {
-      MOONEP_CUDA_RETURN_IF_ERROR(kWhere, cudaSetDevice(a.ordinal));
+    for (const OwnedArea* a : to_clear) {
+      MOONEP_CUDA_RETURN_IF_ERROR(kWhere, cudaSetDevice(a->ordinal));
       cudaStream_t stream;
       MOONEP_CUDA_RETURN_IF_ERROR(kWhere, cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      ErrorRecord rec;
-      MOONEP_CUDA_RETURN_IF_ERROR(kWhere, cudaMemcpyAsync(&rec, &a.area->error, sizeof(rec),
-                                                          cudaMemcpyDeviceToHost, stream));
-      if (clear) {
-        MOONEP_CUDA_RETURN_IF_ERROR(kWhere,
-                                    cudaMemsetAsync(&a.area->error, 0, sizeof(rec), stream));
-      }
+      MOONEP_CUDA_RETURN_IF_ERROR(
+          kWhere, cudaMemsetAsync(&a->area->error, 0, sizeof(ErrorRecord), stream));
       MOONEP_CUDA_RETURN_IF_ERROR(kWhere, cudaStreamSynchronize(stream));
       MOONEP_CUDA_RETURN_IF_ERROR(kWhere, cudaStreamDestroy(stream));
-      if (rec.code == kErrNone) continue;
-      rec.what[sizeof(rec.what) - 1] = '\0';
-      errors->push_back({a.device_id, rec.code, error_code_name(rec.code), rec.rank, rec.epoch,
-                         rec.slot, rec.detail, rec.what});
+      std::memset(a->mirror_host, 0, sizeof(ErrorRecord));
     }
     return ffi::Error::Success();
   });
@@ -449,6 +478,7 @@ ffi::ErrorOr<GroupView> group_view(int32_t device_ordinal, ffi::Span<const int32
     view.rank = int(i % size_t(num_ranks));
     view.num_ranks = num_ranks;
     view.timeout_ns = static_cast<uint64_t>(timeout_ns);
+    view.error_mirror = ctx->second->mirrors[view.rank];
     for (int r = 0; r < num_ranks; ++r) {
       const RankInfo& info = ctx->second->ranks[r];
       view.areas[r] = reinterpret_cast<PeerArea*>(info.area);

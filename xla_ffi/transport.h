@@ -74,7 +74,9 @@ struct TransportError {
   int64_t detail;
   std::string what;
 };
-// Reads (and with `clear` resets) the error record of every area this process owns.
+// Reads the error record of every area this process owns from its host-mapped mirror (plain
+// loads: no CUDA call, so it works after a trap lost the context); with `clear`, resets the
+// records that hold an error (device record on a private stream, then the mirror).
 ffi::Error read_errors(bool clear, std::vector<TransportError>* errors);
 
 // Adds the transport functions (bootstrap, limits) to the extension module.

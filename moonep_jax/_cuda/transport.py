@@ -23,10 +23,12 @@ default BFC pool, `XLA_PYTHON_CLIENT_PREALLOCATE=false` (the pool could grow pas
 and a group spanning hosts (EP stays inside one NVLink domain; use XLA's collectives across
 hosts, e.g. a ("data", "ep") mesh with "data" across hosts).
 
-**Errors the kernels record without trapping** (bad plan data: skipped, never written through)
-stay in a device-side record per area; `check_transport_errors()` reads them (one small copy per
-area on a private stream, no sync with XLA's streams) and raises. Call it where a step already
-syncs (after logging a loss, at a checkpoint); the tests call it after every op.
+**Errors the kernels record** (bad plan data: skipped, never written through; an expired wait,
+which also traps) stay in a record per area, mirrored by the kernel into mapped pinned host
+memory; `check_transport_errors()` reads the mirrors with plain loads (no CUDA call, no sync with
+XLA's streams, still readable after a trap lost the CUDA context) and raises. Call it where a
+step already syncs (after logging a loss, at a checkpoint); the GPU tests call it after every
+test.
 """
 
 from __future__ import annotations
@@ -189,17 +191,22 @@ def transport_errors(clear: bool = True) -> list[dict]:
 def check_transport_errors() -> None:
     """Raises `TransportError` if a kernel recorded an error since the last check (and clears it).
 
-    Reads one small record per transport area of this process on a private stream: no sync with
-    XLA's streams and nothing per call. Errors that trap (a barrier timeout, a bad expert id)
-    also surface as the failed computation's exception; this reports the ones that do not
-    (bad plan data: the entry was skipped).
+    Reads the host-mapped mirror of each transport area's record of this process: plain loads,
+    no sync with XLA's streams, nothing per call (clearing a record that holds an error resets
+    it on a private stream). Errors that trap (a barrier timeout, a bad expert id) also surface
+    as the failed computation's exception, and their record names the rank, the epoch and what
+    was awaited; bad plan data (the entry was skipped) surfaces only here.
     """
     errors = transport_errors(clear=True)
     if errors:
-        lines = [f"JAX device {e['device_id']}: {e['code_name']} at EP rank {e['rank']}, epoch "
-                 f"{e['epoch']}: {e['what']} (value {e['detail']})" for e in errors]
         raise TransportError("moonep_jax: the CUDA transport recorded errors:\n  "
-                             + "\n  ".join(lines))
+                             + "\n  ".join(map(describe_error, errors)))
+
+
+def describe_error(e: dict) -> str:
+    """One line for a record of `transport_errors()`."""
+    return (f"JAX device {e['device_id']}: {e['code_name']} at EP rank {e['rank']}, epoch "
+            f"{e['epoch']}: {e['what']} (value {e['detail']})")
 
 
 # ---- several processes --------------------------------------------------------------------------
