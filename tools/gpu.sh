@@ -59,7 +59,7 @@ run() {
   # start the MPS daemon unless one runs). The test process itself stays off the GPU.
   if [ -z "${GPU_TEST_ARGS:-}" ] || [ -n "${GPU_MP_TEST_ARGS:-}" ]; then
     # shellcheck disable=SC2086
-    (export JAX_PLATFORMS=cpu; run_pytest "${GPU_MP_TEST_TIMEOUT:-360}" -m multiprocess_gpu \
+    (export JAX_PLATFORMS=cpu; run_pytest "${GPU_MP_TEST_TIMEOUT:-480}" -m multiprocess_gpu \
       --durations=10 ${GPU_MP_TEST_ARGS:-tests/test_multiprocess_gpu.py}) || status=1
   fi
   if [ "$status" != 0 ] && [ "${GPU_STOP_ON_FAIL:-0}" = 1 ]; then

@@ -81,7 +81,10 @@ def bootstrap(mesh: jax.sharding.Mesh, axis_name: str = "ep", *,
       RuntimeError: the extension is unavailable, a setting makes XLA's pool unmappable (the
         message names it), or CUDA failed (the message says where).
       TimeoutError: a peer process did not take part within `timeout_s`.
+      TransportError: a kernel recorded an error since the last check (bootstrap is one of the
+        points where records are read; see `check_transport_errors`).
     """
+    check_transport_errors()
     table = device_table(mesh, axis_name)
     key = (_shape_of(mesh), axis_name)
     with _lock:
