@@ -160,15 +160,17 @@ def ep_ops(seed: int, maxvio: float, impl: str, backend: str, sizes: Sizes = Siz
 
 # ---- GPU: the CUDA ops in N processes sharing one GPU, against xla on the CPU backend ---------
 
-def gpu_vs_cpu(seed: int, maxvios: tuple, cases: tuple) -> dict:
+def gpu_vs_cpu(seed: int, maxvios: tuple, cases: tuple, impl: str = "cuda",
+               backend: str = "gpu") -> dict:
     """For every (name, sizes, grads) case and maxvio: `{f"{name}/{maxvio}": (cuda, xla)}`, the
     CUDA ops on the job's GPUs and the xla reference on its CPU devices, same inputs. Then reads
-    the transport's error records (raises if a kernel recorded one)."""
+    the transport's error records (raises if a kernel recorded one). (`impl`, `backend`: what
+    runs in place of the CUDA ops; the CPU tests check this harness with ("xla", "cpu").)"""
     out = {}
     for name, sizes, grads in cases:
         for i, maxvio in enumerate(maxvios):
             s = seed + 1000 * i
-            out[f"{name}/{maxvio}"] = (ep_ops(s, maxvio, "cuda", "gpu", sizes, "bfloat16", grads),
+            out[f"{name}/{maxvio}"] = (ep_ops(s, maxvio, impl, backend, sizes, "bfloat16", grads),
                                        ep_ops(s, maxvio, "xla", "cpu", sizes, "bfloat16", grads))
     moonep_jax.check_transport_errors()
     return out
@@ -201,11 +203,12 @@ def _loop_inputs(seed: int, mesh, sizes: Sizes, n: int) -> list[tuple]:
     return out
 
 
-def back_to_back(seed: int, calls: int, sizes: Sizes, distinct: int = 10) -> dict:
+def back_to_back(seed: int, calls: int, sizes: Sizes, distinct: int = 10, impl: str = "cuda",
+                 backend: str = "gpu") -> dict:
     """`calls` CUDA calls back to back (no sync between them), cycling through `distinct`
     routings; returns every call's shards of the routing-indexed results and the xla
     references: `{"cuda": [per call], "xla": [per routing]}`."""
-    gpu_mesh, cuda = _comm_loop_fn("cuda", "gpu", sizes, 10.0)
+    gpu_mesh, cuda = _comm_loop_fn(impl, backend, sizes, 10.0)
     cpu_mesh, xla = _comm_loop_fn("xla", "cpu", sizes, 10.0)
     gpu_in = _loop_inputs(seed, gpu_mesh, sizes, distinct)
     results = [cuda(*gpu_in[i % distinct]) for i in range(calls)]
@@ -236,10 +239,49 @@ def die_mid_run(seed: int, victim: int, calls: int, sizes: Sizes, timeout_s: flo
     print(f"process {jax.process_index()}: all {calls} calls returned", flush=True)
 
 
-def gpu_suite(seed: int, maxvios: tuple, cases: tuple, calls: int) -> dict:
+def gpu_suite(seed: int, maxvios: tuple, cases: tuple, calls: int, impl: str = "cuda",
+              backend: str = "gpu") -> dict:
     """`gpu_vs_cpu`, then `back_to_back`, in the same processes (one start-up for both)."""
-    ops = gpu_vs_cpu(seed, maxvios, cases)
-    return {"ops": ops, "loop": back_to_back(seed + 1, calls, cases[0][1])}
+    ops = gpu_vs_cpu(seed, maxvios, cases, impl, backend)
+    return {"ops": ops,
+            "loop": back_to_back(seed + 1, calls, cases[0][1], impl=impl, backend=backend)}
+
+
+# Results of the grouped GEMM and of what depends on it; all others are bitwise.
+GEMM_RESULTS = {"gmm", "moe_ffn", "d_x", "d_topk_w", "d_w_gate_up", "d_w_down"}
+GEMM_BOUND = 1e-2
+
+
+def _relative_error(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def check_suite(values: list[dict], where: str, calls: int) -> None:
+    """Asserts what `gpu_suite` returned in every process: each case's CUDA results bitwise
+    equal to the xla reference (the GEMM's within GEMM_BOUND), and every back-to-back call's
+    results bitwise equal to its routing's reference."""
+    ops = [v["ops"] for v in values]
+    for key in ops[0]:
+        cuda = assemble([o[key][0] for o in ops])
+        xla = assemble([o[key][1] for o in ops])
+        assert cuda.keys() == xla.keys(), key
+        for name in cuda:
+            if name in GEMM_RESULTS:
+                error = _relative_error(cuda[name], xla[name])
+                assert error < GEMM_BOUND, f"{where} {key}: {name} relative error {error:.2e}"
+            else:
+                np.testing.assert_array_equal(cuda[name], xla[name],
+                                              err_msg=f"{where} {key}: {name}")
+        if key.startswith("train"):
+            assert (cuda["dst"] == np.iinfo(np.int32).min).any(), "the routing must drop entries"
+    loops = [v["loop"] for v in values]
+    references = [assemble([lp["xla"][i] for lp in loops]) for i in range(len(loops[0]["xla"]))]
+    assert len(loops[0]["cuda"]) == calls
+    for call in range(calls):
+        got = assemble([lp["cuda"][call] for lp in loops])
+        for name, ref in references[call % len(references)].items():
+            np.testing.assert_array_equal(got[name], ref, err_msg=f"{where} call {call}: {name}")
 
 
 # ---- CPU: the multi-process bootstrap's exchange, with a stand-in for the extension's CUDA steps

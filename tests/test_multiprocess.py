@@ -96,3 +96,15 @@ def test_multiprocess_bootstrap_refuses_an_ep_group_spanning_hosts(tmp_path):
     for r in results:
         assert "spans several hosts" in r.value["error"]
         assert "('data', 'ep')" in r.value["error"]
+
+
+def test_gpu_suite_harness_on_cpu(seed):
+    """tests/test_multiprocess_gpu.py's workload and checks, with the xla implementation on the
+    CPU standing in for the CUDA ops (their harness must not first fail on the GPU runner)."""
+    from _mp_workloads import check_suite
+
+    cases = (("train", Sizes(S=8, K=2, E=8, H=8, F=8), True),
+             ("infer", Sizes(S=8, K=2, E=8, H=8, F=8, B=1, tp=2), False))
+    results = launch.run(f"{WORKLOADS}:gpu_suite", 2, (seed, (0.0, 2.0), cases, 12, "xla", "cpu"),
+                         timeout_s=240)
+    check_suite([r.value for r in results], "cpu harness", 12)
