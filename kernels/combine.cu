@@ -2,7 +2,7 @@
 
 #include <cuda_bf16.h>
 
-#include "kernels/dispatch.h"
+#include "kernels/rendezvous.h"
 
 namespace moonep {
 namespace {

@@ -1,4 +1,5 @@
 #include "kernels/dispatch.h"
+#include "kernels/rendezvous.h"
 
 namespace moonep {
 namespace {
@@ -10,25 +11,6 @@ constexpr int kUnroll = 4;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kMailboxRecvX = mailbox_slot(kOpDispatch, 0);
 constexpr int kMailboxRecvW = mailbox_slot(kOpDispatch, 1);
-
-// ---- rendezvous (one CTA of one warp: the barrier needs a thread per rank) ---------------------
-
-__global__ void entry_rendezvous_kernel(GroupView g, int op_slot, const void* address0,
-                                        const void* address1) {
-  __shared__ uint32_t epoch;
-  if (threadIdx.x == 0) {
-    epoch = next_epoch(g, op_slot);
-    if (address0 != nullptr) publish(g, mailbox_slot(op_slot, 0), address0);
-    if (address1 != nullptr) publish(g, mailbox_slot(op_slot, 1), address1);
-  }
-  __syncthreads();
-  barrier(g, barrier_slot(op_slot, 0), epoch, "the entry barrier of a zero-copy op");
-}
-
-__global__ void exit_rendezvous_kernel(GroupView g, int op_slot) {
-  barrier(g, barrier_slot(op_slot, 1), current_epoch(g, op_slot),
-          "the exit barrier of a zero-copy op");
-}
 
 // ---- data kernels ------------------------------------------------------------------------------
 
@@ -144,8 +126,6 @@ cudaError_t launch_data_kernels(const DispatchParams& p, cudaStream_t stream) {
 // Loaded on every device when a transport context is created (lazy loading while a peer spins
 // in a barrier can deadlock).
 [[maybe_unused]] const int kPreloaded[] = {
-    register_kernel_for_preload(as_symbol(&entry_rendezvous_kernel)),
-    register_kernel_for_preload(as_symbol(&exit_rendezvous_kernel)),
     register_kernel_for_preload(as_symbol(&dispatch_send_kernel<uint4>)),
     register_kernel_for_preload(as_symbol(&dispatch_send_kernel<uint32_t>)),
     register_kernel_for_preload(as_symbol(&dispatch_send_kernel<uint16_t>)),
@@ -155,17 +135,6 @@ cudaError_t launch_data_kernels(const DispatchParams& p, cudaStream_t stream) {
 };
 
 }  // namespace
-
-cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot, const void* address0,
-                                    const void* address1, cudaStream_t stream) {
-  entry_rendezvous_kernel<<<1, 32, 0, stream>>>(group, op_slot, address0, address1);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_exit_rendezvous(const GroupView& group, int op_slot, cudaStream_t stream) {
-  exit_rendezvous_kernel<<<1, 32, 0, stream>>>(group, op_slot);
-  return cudaGetLastError();
-}
 
 cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   const cudaError_t err = launch_entry_rendezvous(p.group, kOpDispatch, p.recv_x, p.recv_w, stream);

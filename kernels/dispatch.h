@@ -1,6 +1,4 @@
-// moonep_dispatch: zero-copy scatter of token rows into the destination ranks' receive buffers,
-// plus the plan decoding and the entry/exit rendezvous shared by every zero-copy op (combine,
-// prefetch, reduce_grad).
+// moonep_dispatch: zero-copy scatter of token rows into the destination ranks' receive buffers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,59 +8,6 @@
 #include "kernels/transport.cuh"
 
 namespace moonep {
-
-// ErrorRecord code for plan data that decodes out of range (a dst naming a rank outside the
-// group, a receive row whose primary is not a row, a slot naming an expert outside [-1, E)). The
-// entry or row is skipped, never written through; the first one is recorded with its value.
-// NOTE: outside transport.cuh's ErrorCode range on purpose, so that the two never collide.
-constexpr uint32_t kErrorBadPlanData = 16;
-
-constexpr int32_t kDroppedEntry = INT32_MIN;  // Plan.dst of an entry with expert id -1
-
-#ifdef __CUDACC__
-
-__device__ inline void report_bad_plan_data(const GroupView& g, int op_slot, int64_t value,
-                                            const char* what) {
-  record_error(g, kErrorBadPlanData, current_epoch(g, op_slot), -1, value, what);
-}
-
-// An entry's destination rank and row, decoded from Plan.dst (`dest * nvs + row`, or
-// `-(dest * nvs + row) - 1` for a duplicate); dest == -1 when the entry is dropped or names a
-// rank outside the group (reported as bad plan data).
-struct Destination {
-  int32_t dest;
-  int32_t row;
-  bool primary;
-};
-
-__device__ __forceinline__ Destination decode_destination(const GroupView& g, int op_slot,
-                                                          int32_t v, int32_t nvs) {
-  if (v == kDroppedEntry) return {-1, 0, false};
-  const int32_t raw = v >= 0 ? v : -v - 1;  // v > kDroppedEntry, so -v - 1 cannot overflow
-  const int32_t dest = raw / nvs;
-  if (dest >= g.num_ranks) {
-    report_bad_plan_data(g, op_slot, v, "plan.dst names a rank outside the group");
-    return {-1, 0, false};
-  }
-  return {dest, raw - dest * nvs, v >= 0};
-}
-
-#endif  // __CUDACC__
-
-// A kernel's address as the `const void*` that CUDA's runtime API (and the preload list) takes.
-template <typename Kernel>
-const void* as_symbol(Kernel* kernel) {
-  return reinterpret_cast<const void*>(kernel);
-}
-
-// Rendezvous of a zero-copy op `op_slot` (an OpSlot). Entry: advance the op's epoch, publish up
-// to two buffer addresses into the op's mailbox slots 0 and 1 (nullptr: not published), barrier
-// (the op's barrier slot 0); afterwards every peer's addresses are readable with
-// `peer_address(g, mailbox_slot(op_slot, i), peer)`. Exit: barrier (slot 1), so that no buffer
-// is released or reused while a peer still reads or writes it.
-cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot, const void* address0,
-                                    const void* address1, cudaStream_t stream);
-cudaError_t launch_exit_rendezvous(const GroupView& group, int op_slot, cudaStream_t stream);
 
 struct DispatchParams {
   GroupView group;              // this rank's EP group (rank, peers' transport areas, timeout)

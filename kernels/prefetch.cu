@@ -1,6 +1,6 @@
 #include "kernels/prefetch.h"
 
-#include "kernels/dispatch.h"
+#include "kernels/rendezvous.h"
 
 namespace moonep {
 namespace {

@@ -4,7 +4,7 @@
 
 #include <type_traits>
 
-#include "kernels/dispatch.h"
+#include "kernels/rendezvous.h"
 
 namespace moonep {
 namespace {

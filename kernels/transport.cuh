@@ -1,10 +1,13 @@
-// Device side of the single-process transport: the per-device symmetric area and the primitives
-// every communicating kernel uses (epochs, address mailboxes, bounded cross-GPU barriers).
+// Device side of the transport: the per-device symmetric area and the primitives every
+// communicating kernel uses (epochs, address mailboxes, bounded cross-GPU barriers).
 //
-// One process drives all GPUs of an EP group. Each device of the group owns one `PeerArea`
-// (plugin `cudaMalloc` memory, zeroed at creation); every kernel receives a `GroupView` by value
-// holding the device addresses of all R areas, so peer memory is reached with plain UVA pointers
-// over NVLink. Nothing here knows XLA or JAX; the host side lives in xla_ffi/transport.{h,cc}.
+// Each device of an EP group owns one `PeerArea` (plugin `cudaMalloc` memory, zeroed at
+// creation); every kernel receives a `GroupView` by value holding the addresses of all R areas
+// as this process sees them. Ranks driven by this process are reached with plain UVA pointers
+// over NVLink; a rank of another process through this process's mapping of its area (CUDA IPC)
+// and of its whole XLA memory pool (VMM, mapped once at bootstrap): a peer publishes its own
+// addresses, and `peer_address` moves them into the mapping (base + offset), so the same kernels
+// serve both. Nothing here knows XLA or JAX; the host side lives in xla_ffi/transport.{h,cc}.
 //
 // NOTE: every cross-GPU wait in the project goes through `barrier`, so it is the only place that
 // spins, and it is bounded by `GroupView::timeout_ns`.
@@ -58,15 +61,21 @@ constexpr int kOpScratchInts = 16 * 1024;
 
 constexpr uint64_t kDefaultTimeoutNs = 10ull * 1000 * 1000 * 1000;
 
+// The host names these codes in xla_ffi/transport.cc (error_code_name); keep the two together.
 enum ErrorCode : uint32_t {
   kErrNone = 0,
   kErrTimeout = 1,         // a barrier wait expired
   kErrBadExpertId = 2,     // an expert id outside [-1, E) reached the planner
   kErrPeerFailed = 3,      // another rank reported an error through the counts exchange
+  kErrBadPlanData = 4,     // plan data decoded out of range; the entry/row was skipped
+  kErrPeerAddress = 5,     // a peer process published an address outside its mapped XLA pool
 };
 
-// First error seen on this device (later errors do not overwrite it). Kernels that trap print the
-// same fields; the record is there for debuggers and for kernels that report without trapping.
+// First error seen on this device's area (later errors do not overwrite it). The kernel that
+// keeps it also copies it to the area's mirror in mapped pinned host memory
+// (`GroupView::error_mirror`), which the host reads with plain loads at
+// `moonep_jax.check_transport_errors()`: no CUDA call, no sync per call, and still readable after
+// a trap has lost the CUDA context. Kernels that trap also print the same fields.
 struct ErrorRecord {
   uint32_t code;
   int32_t rank;
@@ -93,8 +102,14 @@ struct alignas(128) PeerArea {
 struct GroupView {
   int rank;                       // position on the EP mesh axis
   int num_ranks;                  // R
-  PeerArea* areas[kMaxRanks];     // device addresses of every rank's area (UVA)
+  PeerArea* areas[kMaxRanks];     // every rank's area, as this process addresses it
   uint64_t timeout_ns;            // bound of every barrier wait
+  // Per rank of another process: its XLA pool [pool_base, pool_base + pool_size) in that process,
+  // mapped here at pool_mapped. pool_size == 0: the rank shares this process's address space.
+  uint64_t pool_base[kMaxRanks];
+  uint64_t pool_size[kMaxRanks];
+  uint64_t pool_mapped[kMaxRanks];
+  ErrorRecord* error_mirror;      // host-mapped mirror of this rank's error record (may be null)
 };
 
 // Registers a kernel so that every transport context loads it on each device of its group when
@@ -159,6 +174,15 @@ __device__ inline bool record_error(const GroupView& g, uint32_t code, uint32_t 
   int n = 0;
   for (; what != nullptr && what[n] != '\0' && n < int(sizeof(e->what)) - 1; ++n) e->what[n] = what[n];
   e->what[n] = '\0';
+  if (volatile ErrorRecord* m = g.error_mirror) {  // fields first, the code last
+    m->rank = g.rank;
+    m->epoch = epoch;
+    m->slot = slot;
+    m->detail = detail;
+    for (int i = 0; i <= n; ++i) m->what[i] = e->what[i];
+    __threadfence_system();
+    m->code = code;
+  }
   __threadfence_system();
   return true;
 }
@@ -186,10 +210,25 @@ __device__ inline void publish(const GroupView& g, int mailbox_slot, const void*
   }
 }
 
-// The address `peer` published into `mailbox_slot` for the current call. Valid after the barrier
-// that follows the publish, until the op's exit barrier.
+// The address `peer` published into `mailbox_slot` for the current call, as this process reaches
+// it (a peer process's address moved into this process's mapping of its pool). Valid after the
+// barrier that follows the publish, until the op's exit barrier. An address outside a peer
+// process's pool (not an XLA buffer of the pool mapped at bootstrap) is recorded, printed and
+// traps: it cannot be reached, and guessing would be a wild write.
 __device__ inline const void* peer_address(const GroupView& g, int mailbox_slot, int peer) {
-  return reinterpret_cast<const void*>(ld_relaxed_sys(&own_area(g)->mailbox[mailbox_slot][peer]));
+  const uint64_t published = ld_relaxed_sys(&own_area(g)->mailbox[mailbox_slot][peer]);
+  if (g.pool_size[peer] == 0) return reinterpret_cast<const void*>(published);
+  const uint64_t offset = published - g.pool_base[peer];
+  if (offset >= g.pool_size[peer]) {
+    record_error(g, kErrPeerAddress, 0, mailbox_slot, int64_t(published),
+                 "a peer's buffer lies outside its mapped XLA pool");
+    printf("moonep: rank %d: rank %d published %#llx (mailbox %d), outside its XLA pool mapped at "
+           "bootstrap [%#llx, +%llu)\n", g.rank, peer, static_cast<unsigned long long>(published),
+           mailbox_slot, static_cast<unsigned long long>(g.pool_base[peer]),
+           static_cast<unsigned long long>(g.pool_size[peer]));
+    __trap();
+  }
+  return reinterpret_cast<const void*>(g.pool_mapped[peer] + offset);
 }
 
 // ---- cross-GPU barrier -------------------------------------------------------------------------

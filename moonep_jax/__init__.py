@@ -11,7 +11,7 @@ Every op runs per EP rank inside `jax.shard_map` over `EPConfig.axis_name`:
 """
 
 from moonep_jax import routing
-from moonep_jax._cuda.transport import bootstrap
+from moonep_jax._cuda.transport import TransportError, bootstrap, check_transport_errors
 from moonep_jax._impl import resolved_implementation
 from moonep_jax.combine import combine
 from moonep_jax.config import DROPPED, CudaOptions, EPConfig
@@ -22,7 +22,8 @@ from moonep_jax.plan import plan
 from moonep_jax.plan_types import Plan
 
 __all__ = [
-    "DROPPED", "CudaOptions", "EPConfig", "Plan", "bootstrap", "combine", "dispatch",
+    "DROPPED", "CudaOptions", "EPConfig", "Plan", "TransportError", "bootstrap",
+    "check_transport_errors", "combine", "dispatch",
     "grouped_matmul", "moe_ffn", "plan", "prefetch", "reduce_grad", "resolved_implementation",
     "routing",
 ]

@@ -1,8 +1,13 @@
-"""Command line: `python -m moonep_jax demo [--steps N] [--seed S]` and
-`python -m moonep_jax bench [--quick] [args passed to every benchmark]`."""
+"""Command line: `python -m moonep_jax demo [--steps N] [--seed S] [--processes N]` and
+`python -m moonep_jax bench [--quick] [args passed to every benchmark]`.
+
+`demo --processes N` runs the demo in N local processes of one `jax.distributed` job
+(moonep_jax.launch): on CPU (no GPU, or JAX_PLATFORMS=cpu) they share 8 simulated devices through
+gloo; with GPUs each process drives one GPU (N <= the GPUs this host shows)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -11,6 +16,7 @@ from pathlib import Path
 CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 SIMULATED_CPU_DEVICES = 8
 BENCHMARKS = ("bench_dispatch.py", "bench_gemm.py", "bench_layer.py")
+DEMO_TIMEOUT_S = 3600
 USAGE = __doc__
 
 
@@ -50,6 +56,34 @@ def run_benchmarks(args: list[str]) -> int:
     return status
 
 
+def demo_in_processes(num_processes: int, argv: list[str]) -> int:
+    """Runs `demo argv` in `num_processes` local processes of one job; returns the exit code."""
+    from moonep_jax import launch
+
+    gpus = 0 if os.environ.get("JAX_PLATFORMS", "").lower() == "cpu" else launch.visible_gpu_count()
+    if gpus == 0:
+        if SIMULATED_CPU_DEVICES % num_processes:
+            print(f"moonep_jax demo: --processes must divide {SIMULATED_CPU_DEVICES} on CPU (the "
+                  f"simulated devices are split evenly); got {num_processes}.", file=sys.stderr)
+            return 2
+        where = dict(platform="cpu", cpu_devices=SIMULATED_CPU_DEVICES // num_processes)
+    elif num_processes <= gpus:
+        where = dict(platform="gpu", local_device_ids=[[i] for i in range(num_processes)])
+    else:
+        print(f"moonep_jax demo: --processes {num_processes} on {gpus} GPU(s): the demo's dense "
+              "layers use XLA's GPU collectives, which refuse two processes on one GPU. Use "
+              f"--processes <= {gpus} (one per GPU), or the CPU (JAX_PLATFORMS=cpu).",
+              file=sys.stderr)
+        return 2
+    try:
+        launch.run("moonep_jax.demo:main", num_processes, (argv,), stream_output=True,
+                   timeout_s=DEMO_TIMEOUT_S, **where)
+    except launch.LaunchError as err:
+        print(err, file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m moonep_jax` and of the `moonep-jax` console script."""
     argv = sys.argv[1:] if argv is None else argv
@@ -58,6 +92,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "demo":
+        parser = argparse.ArgumentParser(add_help=False)
+        parser.add_argument("--processes", type=int, default=1)
+        known, rest = parser.parse_known_args(rest)
+        if known.processes < 1:
+            print(f"moonep_jax demo: --processes must be >= 1; got {known.processes}",
+                  file=sys.stderr)
+            return 2
+        if known.processes > 1:
+            return demo_in_processes(known.processes, rest)
         simulate_cpu_devices()
         try:
             from moonep_jax import demo  # imports the model stack only after the flag is set

@@ -2,7 +2,9 @@
 
 A byte-level, 2-layer transformer (causal attention + `moonep_jax.flax.MoE` FFN) learns the short
 text in `moonep_jax/data/corpus.txt` with optax AdamW under `jax.jit`, data- and expert-parallel
-over every local device (8 simulated CPU devices when there is no accelerator). The progress line
+over every device of the job (8 simulated CPU devices when there is no accelerator; with
+`--processes N`, N local processes of one `jax.distributed` job, see `moonep_jax.__main__`). The
+progress line
 shows the loss, the router's skew (maxvio) and the slots each EP rank received: they are all equal,
 whatever the skew, which is MoonEP's invariant.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.resources
+import io
 import sys
 import time
 
@@ -22,6 +25,8 @@ import optax
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+import moonep_jax
+from moonep_jax import _ffi
 from moonep_jax.flax import MoE
 
 VOCAB = 256  # bytes
@@ -156,10 +161,24 @@ def progress_line(step: int, steps: int, loss: float, auxes: list[dict],
                   tokens_per_s: float) -> str:
     """One status line: step, loss, per-layer maxvio and per-rank received slots, throughput."""
     maxvio = "/".join(f"{float(a['maxvio']):.2f}" for a in auxes)
-    recv = " ".join(str(int(n)) for n in np.asarray(auxes[0]["recv_slots"]))
+    recv = " ".join(str(int(n)) for n in auxes[0]["recv_slots"])
     speed = f"{tokens_per_s:,.0f} tok/s" if tokens_per_s else "(first step: compiled)"
     return (f"step {step:>{len(str(steps))}}/{steps}  loss {loss:.3f}  maxvio {maxvio}  "
             f"recv/rank [{recv}]  {speed}")
+
+
+def global_batch(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """The same host batch in every process, placed as one global array."""
+    return jax.make_array_from_callback(batch.shape, sharding, lambda index: batch[index])
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A global array on the host of every process (sharded ones gathered across processes)."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0) if x.is_fully_replicated else x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def run(cfg: DemoConfig, out=None) -> dict:
@@ -169,9 +188,13 @@ def run(cfg: DemoConfig, out=None) -> dict:
     over every layer and step.
     """
     out = sys.stdout if out is None else out
+    if jax.process_index() != 0:
+        out = io.StringIO()  # one process reports for the job
     devices = jax.devices()
     cfg = scaled_config(cfg, len(devices))
     mesh = jax.make_mesh((len(devices),), ("ep",), axis_types=(AxisType.Explicit,), devices=devices)
+    if jax.default_backend() == "gpu" and _ffi.available():
+        moonep_jax.bootstrap(mesh, "ep")  # before anything is traced
     graphdef, params, rest = init_model(cfg, mesh)
     tx = optax.adamw(optax.warmup_cosine_decay_schedule(
         0.0, cfg.learning_rate, max(1, cfg.steps // 10), max(cfg.steps, 2)), weight_decay=0.01)
@@ -186,11 +209,12 @@ def run(cfg: DemoConfig, out=None) -> dict:
     compile_s = 0.0
     tokens_per_s = 0.0
     for step in range(1, cfg.steps + 1):
-        batch = jax.device_put(sample_batch(corpus, rng, cfg.batch, cfg.seq_len), batch_sharding)
+        batch = global_batch(sample_batch(corpus, rng, cfg.batch, cfg.seq_len), batch_sharding)
         params, opt_state, loss, auxes = train_step(params, rest, opt_state, batch)
         losses.append(float(loss))  # waits for the step: the line reports finished work
+        auxes = [jax.tree.map(to_host, aux) for aux in auxes]
         for aux in auxes:
-            slot_counts.update(int(n) for n in np.asarray(aux["recv_slots"]))
+            slot_counts.update(int(n) for n in aux["recv_slots"])
         if step == 1:
             compile_s = time.perf_counter() - start
             start = time.perf_counter()
@@ -201,6 +225,7 @@ def run(cfg: DemoConfig, out=None) -> dict:
     print(file=out)
 
     summary = {"steps": cfg.steps, "devices": len(devices), "platform": devices[0].platform,
+               "processes": jax.process_count(),
                "first_loss": losses[0], "final_loss": losses[-1], "losses": losses,
                "slots_per_rank": sorted(slot_counts), "tokens_per_s": tokens_per_s,
                "compile_s": compile_s, "maxvio": [float(a["maxvio"]) for a in auxes]}
@@ -211,9 +236,11 @@ def run(cfg: DemoConfig, out=None) -> dict:
 def print_summary(summary: dict, cfg: DemoConfig, out) -> None:
     balanced = len(summary["slots_per_rank"]) == 1
     slots = summary["slots_per_rank"]
+    processes = summary.get("processes", 1)
+    where = f" in {processes} processes" if processes > 1 else ""
     print(f"trained {cfg.num_layers}-layer MoE LM (E={cfg.num_experts}, K={cfg.top_k}) for "
-          f"{summary['steps']} steps on {summary['devices']} {summary['platform']} devices "
-          f"(EP={summary['devices']})", file=out)
+          f"{summary['steps']} steps on {summary['devices']} {summary['platform']} devices"
+          f"{where} (EP={summary['devices']})", file=out)
     print(f"  loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}", file=out)
     print(f"  final router maxvio per layer: "
           + ", ".join(f"{m:.2f}" for m in summary["maxvio"]), file=out)
@@ -231,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=DemoConfig.steps, help="training steps")
     parser.add_argument("--seed", type=int, default=DemoConfig.seed, help="init and data seed")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="local processes of one jax.distributed job (python -m moonep_jax)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1; got {args.steps}")

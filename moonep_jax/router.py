@@ -25,8 +25,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moonep_jax._cuda.transport import bootstrap
-from moonep_jax._impl import resolved_implementation
 from moonep_jax.config import EPConfig
 from moonep_jax.layer import moe_ffn
 from moonep_jax.plan import plan as make_plan
@@ -290,8 +288,6 @@ def moe_block(x: jax.Array, params: Mapping[str, jax.Array],
                          f"got {sorted(params)}.")
     params = dict(params)
     tokens = P(spec.token_axes, None)
-    if resolved_implementation(cfg) == "cuda":
-        bootstrap(spec.mesh, spec.axis_name)  # tells the CUDA ops which GPUs this mesh holds
 
     def per_shard(x, params):
         logits = jnp.dot(x.astype(jnp.float32), params["router_w"].astype(jnp.float32))

@@ -28,19 +28,39 @@ def _gpu_skip_reason() -> str | None:
     return None
 
 
+def _multiprocess_gpu_skip_reason() -> str | None:
+    """Tests that spawn GPU processes run from a test process that leaves the GPU to them."""
+    if not _ffi.available():
+        return f"CUDA extension unavailable: {_ffi.unavailable_reason()}"
+    if os.environ.get("JAX_PLATFORMS") != "cpu":
+        return ("spawns GPU processes: run with JAX_PLATFORMS=cpu so that this process keeps off "
+                "the GPU (tools/gpu.sh run does)")
+    if not any(os.path.exists(f"/dev/nvidia{i}") for i in range(16)):
+        return "no NVIDIA GPU (/dev/nvidia*)"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    reason = _gpu_skip_reason()
-    if reason is None:
-        return
-    skip = pytest.mark.skip(reason=reason)
+    reasons = {"gpu": _gpu_skip_reason(), "multiprocess_gpu": _multiprocess_gpu_skip_reason()}
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        kind = "multiprocess_gpu" if "multiprocess_gpu" in item.keywords else "gpu"
+        if kind in item.keywords and reasons[kind] is not None:
+            item.add_marker(pytest.mark.skip(reason=reasons[kind]))
 
 
 def mesh_devices():
     """The devices meshes are built from: the GPUs when the backend is a GPU, else the CPUs."""
     return jax.devices()
+
+
+@pytest.fixture(autouse=True)
+def _transport_errors_checked(request):
+    """After every GPU test: no kernel left an error in a transport area's record."""
+    yield
+    if "gpu" in request.keywords and _gpu_skip_reason() is None:
+        import moonep_jax
+
+        moonep_jax.check_transport_errors()
 
 
 @pytest.fixture

@@ -113,6 +113,30 @@ def test_dispatch_rows_and_weights_bitwise_equal_to_xla(mesh, seed, maxvio, dtyp
     assert not np.asarray(out["cuda"][1])[unowned].any()
 
 
+def test_bad_plan_data_is_skipped_and_reported_by_check_transport_errors(mesh, seed):
+    """A dst naming a rank outside the group is skipped on the device (never written through)
+    and recorded; the host reads the record at `check_transport_errors()`, which clears it."""
+    R = mesh.devices.size
+    cfg = _config(R, "cuda")
+    topk_idx = _routing(seed, R, 1.0, cfg)
+    x = np.ones((R * S, cfg.hidden), jnp.bfloat16)
+    topk_w = np.ones((R * S, K), np.float32)
+    bad = R * cfg.nvs + 5  # decodes to rank R: outside the group
+
+    def per_rank(topk_idx, x, topk_w):
+        p = plan(topk_idx, dataclasses.replace(cfg, implementation="xla"))
+        p = dataclasses.replace(p, dst=p.dst.at[0].set(bad))
+        return _stack(dispatch(x, topk_w, p, cfg)[:2])
+
+    moonep_jax.check_transport_errors()  # nothing left over from other tests
+    jax.block_until_ready(_per_rank(per_rank, mesh)(topk_idx, x, topk_w))
+    with pytest.raises(moonep_jax.TransportError,
+                       match=r"bad plan data at EP rank \d+, epoch \d+: plan\.dst names a rank "
+                             rf"outside the group \(value {bad}\)"):
+        moonep_jax.check_transport_errors()
+    moonep_jax.check_transport_errors()  # cleared by the read
+
+
 # ---- combine ------------------------------------------------------------------------------------
 
 

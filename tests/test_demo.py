@@ -132,3 +132,22 @@ def test_cli_demo_simulates_eight_cpu_devices():
     assert done.returncode == 0, done.stderr
     assert "for 2 steps on 8 cpu devices (EP=8)" in done.stdout
     assert "every rank received exactly 256 slots" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the simulated CPU devices")
+def test_cli_demo_in_two_processes():
+    """`--processes 2`: two jax.distributed processes (gloo) of 4 simulated devices each."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    done = subprocess.run([sys.executable, "-m", "moonep_jax", "demo", "--processes", "2",
+                           "--steps", "2"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "for 2 steps on 8 cpu devices in 2 processes (EP=8)" in done.stdout
+    assert "every rank received exactly 256 slots" in done.stdout
+    assert done.stdout.count("trained 2-layer MoE LM") == 1  # process 0 reports for the job
+
+
+def test_cli_demo_rejects_more_processes_than_it_can_place(capsys):
+    assert cli.main(["demo", "--processes", "0"]) == 2
+    assert "--processes must be >= 1" in capsys.readouterr().err

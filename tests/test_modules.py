@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+import moonep_jax
 import moonep_jax.equinox as meqx
 import moonep_jax.flax as mflax
 from moonep_jax import router
@@ -326,6 +327,7 @@ def test_flax_module_cuda_matches_xla_forward_and_grads(seed):
         pytest.skip("needs at least 2 GPUs")
     mesh = jax.make_mesh((num_ranks,), ("ep",), axis_types=(AxisType.Explicit,),
                          devices=jax.devices()[:num_ranks])
+    moonep_jax.bootstrap(mesh, "ep")  # before tracing: tracing has no side effects
     hidden, ffn = 64, 32  # the CUDA grouped GEMM wants bf16 and rows of a multiple of 8 elements
     moes = {impl: mflax.MoE(hidden, ffn, E, K, mesh=mesh, rngs=nnx.Rngs(seed),
                             implementation=impl, shared_ffn_hidden=32, param_dtype=jnp.bfloat16)

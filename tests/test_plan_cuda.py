@@ -120,10 +120,11 @@ def test_plan_record_shape_bitwise_equal_to_xla(seed):
 
 
 @pytest.mark.gpu
-def test_plan_found_through_set_mesh_without_bootstrap_call(seed):
-    """Under `jax.set_mesh` the op finds the concrete mesh itself (and bootstraps it)."""
+def test_plan_found_under_set_mesh(seed):
+    """Under `jax.set_mesh` the op finds its bootstrapped mesh from the abstract one."""
     R = _gpu_count()
     mesh = _mesh(R)
+    transport.bootstrap(mesh, "ep")
     S, K, E = 64, 4, 8 * R
     topk = _routing(seed, R, S, K, E, 1.0)
     with jax.set_mesh(mesh):
@@ -245,16 +246,16 @@ def test_bootstrap_rejects_missing_axis_and_cpu_devices(mesh_factory):
         transport.ep_groups(jax.sharding.get_abstract_mesh(), "ep")
     if jax.default_backend() == "cpu":
         with pytest.raises(ValueError, match="needs GPU devices"):
-            transport.ordinals_table(mesh, "ep")
+            transport.device_table(mesh, "ep")
 
 
-def test_mesh_ordinals_without_bootstrap_names_bootstrap(mesh_factory):
+def test_mesh_devices_without_bootstrap_names_bootstrap(mesh_factory):
     axis = "ep_never_bootstrapped"  # no other test registers a mesh with this axis
     mesh = mesh_factory(4, (axis,))
     cfg = _config(4, 8, 2, 8, None, 1, "xla", axis_name=axis)
 
     def per_rank(x):
-        transport.mesh_ordinals(cfg)
+        transport.mesh_devices(cfg)
         return x
 
     f = jax.shard_map(per_rank, mesh=mesh, in_specs=P(axis), out_specs=P(axis))
@@ -263,6 +264,6 @@ def test_mesh_ordinals_without_bootstrap_names_bootstrap(mesh_factory):
         jax.jit(f)(x)
 
 
-def test_mesh_ordinals_outside_shard_map_names_the_axis():
+def test_mesh_devices_outside_shard_map_names_the_axis():
     with pytest.raises(ValueError, match="inside `jax.shard_map` over a mesh with the EP axis `ep`"):
-        transport.mesh_ordinals(_config(1, 8, 2, 8, None, 1, "xla"))
+        transport.mesh_devices(_config(1, 8, 2, 8, None, 1, "xla"))

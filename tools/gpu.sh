@@ -3,11 +3,15 @@
 #
 #   bash tools/gpu.sh build            # here, on the CPU machine: compile the extension into .gpu/
 #   bash tools/gpu.sh run [BENCH ...]  # there, through the device tool with carry [".gpu"]:
-#                                      # every @pytest.mark.gpu test, then the named benchmarks
+#                                      # every @pytest.mark.gpu test (the multi-process ones in a
+#                                      # second pytest run that stays off the GPU itself), then the
+#                                      # named benchmarks
 #
 # `run` writes under $OUT (the device tool's folder that comes back, at most 8 files):
 # gpu_tests.log (environment + pytest), benchmarks.log, and each benchmark's JSON record (+ PNG)
 # (benchmarks/<name>.py --out $OUT).
+# GPU_TEST_ARGS / GPU_MP_TEST_ARGS narrow the single- / multi-process test runs (setting only
+# GPU_TEST_ARGS skips the multi-process run).
 # BENCH names are benchmark scripts without .py (bench_dispatch, bench_gemm, bench_layer) and may
 # carry arguments after a colon: bench_dispatch:--quick. GPU_STOP_ON_FAIL=1 skips the benchmarks
 # when a test failed (a kernel under test that hangs would otherwise hang every benchmark too).
@@ -32,6 +36,15 @@ build() {
   echo "built $(ls .gpu); pass carry [\".gpu\"] and run: bash tools/gpu.sh run"
 }
 
+# run_pytest TIMEOUT ARGS...: pytest under a timeout, appended to gpu_tests.log; selecting no
+# test (exit 5, e.g. GPU_TEST_ARGS naming only multi-process tests) is not a failure.
+run_pytest() {
+  local limit=$1; shift
+  timeout "$limit" python3 -m pytest -v -rs --tb=short "$@" 2>&1 | tee -a "$OUT/gpu_tests.log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || [ "$rc" = 5 ]
+}
+
 run() {
   OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
   export PYTHONPATH="$PWD/.gpu:$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -46,9 +59,15 @@ run() {
     echo "== GPU tests skipped (GPU_SKIP_TESTS=1)" | tee -a "$OUT/gpu_tests.log"
   else
     # shellcheck disable=SC2086
-    timeout "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -v -rs --tb=short --durations=20 \
-      ${GPU_TEST_ARGS:-tests} \
-      2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
+    run_pytest "${GPU_TEST_TIMEOUT:-420}" -m "gpu and not multiprocess_gpu" --durations=20 \
+      ${GPU_TEST_ARGS:-tests} || status=1
+    # EP groups spanning processes: R = 2, 4, 8 processes sharing the GPU under MPS (the tests
+    # start the MPS daemon unless one runs). The test process itself stays off the GPU.
+    if [ -z "${GPU_TEST_ARGS:-}" ] || [ -n "${GPU_MP_TEST_ARGS:-}" ]; then
+      # shellcheck disable=SC2086
+      (export JAX_PLATFORMS=cpu; run_pytest "${GPU_MP_TEST_TIMEOUT:-480}" -m multiprocess_gpu \
+        --durations=10 ${GPU_MP_TEST_ARGS:-tests/test_multiprocess_gpu.py}) || status=1
+    fi
   fi
   if [ "$status" != 0 ] && [ "${GPU_STOP_ON_FAIL:-0}" = 1 ]; then
     echo "== tests failed: benchmarks skipped (GPU_STOP_ON_FAIL=1)" | tee -a "$OUT/benchmarks.log"

@@ -14,17 +14,9 @@ using moonep::shape_error;
 
 namespace {
 
-ffi::ErrorOr<moonep::GroupView> group_with_timeout(int32_t device_ordinal,
-                                                   ffi::Span<const int32_t> mesh_ordinals,
-                                                   int32_t num_ranks, int64_t timeout_ns) {
-  auto group = moonep::group_view(device_ordinal, mesh_ordinals, num_ranks);
-  if (group.has_value()) group->timeout_ns = static_cast<uint64_t>(timeout_ns);
-  return group;
-}
-
 ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer y,
                           ffi::Buffer<ffi::S32> dst, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::Span<const int32_t> mesh_ordinals, int32_t num_ranks,
+                          ffi::Span<const int32_t> mesh_devices, int32_t num_ranks,
                           int32_t top_k, int32_t num_sms, int64_t timeout_ns) {
   constexpr const char* kOp = "moonep_combine";
   const auto y_dims = y.dimensions();
@@ -49,7 +41,7 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, ffi::AnyB
     return shape_error(kOp, "out", "[S, H] = [" + std::to_string(S) + ", " + std::to_string(H) +
                                        "] of y's dtype", out_dims);
 
-  auto group = group_with_timeout(device_ordinal, mesh_ordinals, num_ranks, timeout_ns);
+  auto group = moonep::group_view(device_ordinal, mesh_devices, num_ranks, timeout_ns);
   if (group.has_error()) return group.error();
   const moonep::CombineParams params{
       .group = *group,
@@ -70,7 +62,7 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, ffi::AnyB
 ffi::Error CombineWeightsExecute(cudaStream_t stream, int32_t device_ordinal,
                                  ffi::Buffer<ffi::F32> recv_w, ffi::Buffer<ffi::S32> dst,
                                  ffi::Result<ffi::Buffer<ffi::F32>> topk_w,
-                                 ffi::Span<const int32_t> mesh_ordinals, int32_t num_ranks,
+                                 ffi::Span<const int32_t> mesh_devices, int32_t num_ranks,
                                  int32_t num_sms, int64_t timeout_ns) {
   constexpr const char* kOp = "moonep_combine_weights";
   const int64_t nvs = recv_w.element_count();
@@ -83,7 +75,7 @@ ffi::Error CombineWeightsExecute(cudaStream_t stream, int32_t device_ordinal,
     return shape_error(kOp, "topk_w", "[S, K] with S * K = " + std::to_string(num_entries),
                        topk_w->dimensions());
 
-  auto group = group_with_timeout(device_ordinal, mesh_ordinals, num_ranks, timeout_ns);
+  auto group = moonep::group_view(device_ordinal, mesh_devices, num_ranks, timeout_ns);
   if (group.has_error()) return group.error();
   const moonep::CombineWeightsParams params{
       .group = *group,
@@ -107,7 +99,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepCombine, CombineExecute,
                                   .Arg<ffi::AnyBuffer>()         // y [NvS, H] bf16 | f32
                                   .Arg<ffi::Buffer<ffi::S32>>()  // dst [S * K] i32
                                   .Ret<ffi::AnyBuffer>()         // out [S, H] y.dtype
-                                  .Attr<ffi::Span<const int32_t>>("mesh_ordinals")
+                                  .Attr<ffi::Span<const int32_t>>("mesh_devices")
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("top_k")
                                   .Attr<int32_t>("num_sms")
@@ -121,7 +113,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepCombineWeights, CombineWeightsExecute,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // recv_w [NvS] f32
                                   .Arg<ffi::Buffer<ffi::S32>>()  // dst [S * K] i32
                                   .Ret<ffi::Buffer<ffi::F32>>()  // topk_w [S, K] f32
-                                  .Attr<ffi::Span<const int32_t>>("mesh_ordinals")
+                                  .Attr<ffi::Span<const int32_t>>("mesh_devices")
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("num_sms")
                                   .Attr<int64_t>("timeout_ns"),

@@ -22,7 +22,7 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, ffi::Any
                            ffi::Buffer<ffi::S32> recv_src, ffi::Buffer<ffi::S32> recv_primary,
                            ffi::Result<ffi::AnyBuffer> recv_x,
                            ffi::Result<ffi::Buffer<ffi::F32>> recv_w,
-                           ffi::Span<const int32_t> mesh_ordinals, int32_t num_ranks,
+                           ffi::Span<const int32_t> mesh_devices, int32_t num_ranks,
                            int32_t num_sms, int64_t timeout_ns) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) return shape_error(kOp, "x", "[S, H]", x_dims);
@@ -52,9 +52,8 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, ffi::Any
     return ffi::Error::InvalidArgument(std::string(kOp) +
                                        ": `x` must have S >= 1 rows of a 2- or 4-byte dtype.");
 
-  auto group = moonep::group_view(device_ordinal, mesh_ordinals, num_ranks);
+  auto group = moonep::group_view(device_ordinal, mesh_devices, num_ranks, timeout_ns);
   if (group.has_error()) return group.error();
-  group->timeout_ns = static_cast<uint64_t>(timeout_ns);
   const moonep::DispatchParams params{
       .group = *group,
       .x = x.untyped_data(),
@@ -87,7 +86,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepDispatch, DispatchExecute,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // recv_primary [NvS] i32
                                   .Ret<ffi::AnyBuffer>()          // recv_x [NvS, H] x.dtype
                                   .Ret<ffi::Buffer<ffi::F32>>()   // recv_w [NvS] f32
-                                  .Attr<ffi::Span<const int32_t>>("mesh_ordinals")
+                                  .Attr<ffi::Span<const int32_t>>("mesh_devices")
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("num_sms")
                                   .Attr<int64_t>("timeout_ns"),

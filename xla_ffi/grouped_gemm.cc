@@ -59,7 +59,7 @@ ffi::Error check_weights(const char* target, ffi::Buffer<ffi::BF16>& w_local,
 // The transport attributes of the ragged-M handlers (see moonep_jax/_cuda/comm.py).
 struct Transport {
   int32_t device_ordinal;
-  ffi::Span<const int32_t> mesh_ordinals;
+  ffi::Span<const int32_t> mesh_devices;
   int32_t num_ranks;
   int64_t timeout_ns;
 };
@@ -95,11 +95,10 @@ ffi::Error GmmRows(moonep::GmmRowsOp op, const char* target, cudaStream_t stream
       return shape_error(target, "cu_seqlens", "[G] with G = R * epn + B = " +
                          std::to_string(transport.num_ranks * num_local + num_slots),
                          cu_seqlens.dimensions());
-    auto view = moonep::group_view(transport.device_ordinal, transport.mesh_ordinals,
-                                   transport.num_ranks);
+    auto view = moonep::group_view(transport.device_ordinal, transport.mesh_devices,
+                                   transport.num_ranks, transport.timeout_ns);
     if (view.has_error()) return view.error();
     group = *view;
-    group.timeout_ns = static_cast<uint64_t>(transport.timeout_ns);
   }
   const moonep::GmmRowsParams params{
       .op = op,
@@ -128,22 +127,22 @@ ffi::Error GmmFwdImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<f
                       ffi::Buffer<ffi::BF16> w_local, ffi::Buffer<ffi::BF16> w_slots,
                       ffi::Buffer<ffi::S32> cu_seqlens, ffi::Buffer<ffi::S32> ep_rank,
                       ffi::ResultBuffer<ffi::BF16> y, ffi::ResultBuffer<ffi::S32> tile_table,
-                      ffi::Span<const int32_t> mesh_ordinals, int32_t num_ranks,
+                      ffi::Span<const int32_t> mesh_devices, int32_t num_ranks,
                       int64_t timeout_ns) {
   return GmmRows(moonep::GmmRowsOp::kForward, "moonep_gmm_fwd", stream, x, w_local, w_slots,
                  cu_seqlens, ep_rank, y, tile_table,
-                 {device_ordinal, mesh_ordinals, num_ranks, timeout_ns});
+                 {device_ordinal, mesh_devices, num_ranks, timeout_ns});
 }
 
 ffi::Error GmmDxImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::BF16> dy,
                      ffi::Buffer<ffi::BF16> w_local, ffi::Buffer<ffi::BF16> w_slots,
                      ffi::Buffer<ffi::S32> cu_seqlens, ffi::Buffer<ffi::S32> ep_rank,
                      ffi::ResultBuffer<ffi::BF16> dx, ffi::ResultBuffer<ffi::S32> tile_table,
-                     ffi::Span<const int32_t> mesh_ordinals, int32_t num_ranks,
+                     ffi::Span<const int32_t> mesh_devices, int32_t num_ranks,
                      int64_t timeout_ns) {
   return GmmRows(moonep::GmmRowsOp::kDx, "moonep_gmm_dx", stream, dy, w_local, w_slots,
                  cu_seqlens, ep_rank, dx, tile_table,
-                 {device_ordinal, mesh_ordinals, num_ranks, timeout_ns});
+                 {device_ordinal, mesh_devices, num_ranks, timeout_ns});
 }
 
 ffi::Error GmmDwImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> dy,
@@ -210,7 +209,7 @@ ffi::Error GmmDwImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
       .Arg<ffi::Buffer<ffi::S32>>()  /* ep_rank [1] */                               \
       .Ret<ffi::Buffer<ffi::BF16>>() /* y [NvS, D1] (fwd) | dx [NvS, D0] (dX) */     \
       .Ret<ffi::Buffer<ffi::S32>>()  /* tile_table scratch [gmm_table_rows, 4] */     \
-      .Attr<ffi::Span<const int32_t>>("mesh_ordinals") /* read only if B < epn */    \
+      .Attr<ffi::Span<const int32_t>>("mesh_devices") /* read only if B < epn */    \
       .Attr<int32_t>("num_ranks")                                                    \
       .Attr<int64_t>("timeout_ns")
 

@@ -70,7 +70,7 @@ ffi::Error PlanExecute(cudaStream_t stream, int32_t device_ordinal,
                        ffi::ResultBuffer<ffi::S32> experts_to_copy,
                        ffi::ResultBuffer<ffi::S32> recv_src, ffi::ResultBuffer<ffi::S32> recv_primary,
                        int64_t E, int64_t K, int64_t S, int64_t R, int64_t B, int64_t tp, int64_t nvs,
-                       ffi::Span<const int32_t> mesh_ordinals, int64_t timeout_ns) {
+                       ffi::Span<const int32_t> mesh_devices, int64_t timeout_ns) {
   if (auto err = check_sizes(E, K, S, R, B, tp, nvs); err.failure()) return err;
   const int64_t N = S * K, G = E + B;
   for (auto err : {check_shape("topk_idx", topk_idx.dimensions(), {S, K}),
@@ -82,13 +82,8 @@ ffi::Error PlanExecute(cudaStream_t stream, int32_t device_ordinal,
                    check_shape("recv_primary", recv_primary->dimensions(), {nvs})}) {
     if (err.failure()) return err;
   }
-  if (timeout_ns <= 0) {
-    return ffi::Error::InvalidArgument("moonep_plan: `timeout_ns` must be > 0; got " +
-                                       std::to_string(timeout_ns) + ".");
-  }
-  auto view = group_view(device_ordinal, mesh_ordinals, static_cast<int32_t>(R));
+  auto view = group_view(device_ordinal, mesh_devices, static_cast<int32_t>(R), timeout_ns);
   if (view.has_error()) return view.error();
-  view->timeout_ns = static_cast<uint64_t>(timeout_ns);
 
   PlanParams params{};
   params.num_experts = static_cast<int>(E);
@@ -130,6 +125,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepPlan, moonep::PlanExecute,
                                   .Attr<int64_t>("num_slots")
                                   .Attr<int64_t>("token_padding")
                                   .Attr<int64_t>("nvs")
-                                  .Attr<xla::ffi::Span<const int32_t>>("mesh_ordinals")
+                                  .Attr<xla::ffi::Span<const int32_t>>("mesh_devices")
                                   .Attr<int64_t>("timeout_ns"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -20,7 +20,7 @@ constexpr const char* kOp = "moonep_prefetch";
 ffi::Error PrefetchExecute(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer w_local,
                            ffi::Buffer<ffi::S32> experts_to_copy,
                            ffi::Result<ffi::AnyBuffer> w_slots,
-                           ffi::Span<const int32_t> mesh_ordinals, int32_t num_ranks,
+                           ffi::Span<const int32_t> mesh_devices, int32_t num_ranks,
                            int32_t num_sms, int64_t timeout_ns, int32_t zero_unused_slots) {
   const auto w_dims = w_local.dimensions();
   if (w_dims.size() < 1 || w_dims[0] < 1)
@@ -42,9 +42,8 @@ ffi::Error PrefetchExecute(cudaStream_t stream, int32_t device_ordinal, ffi::Any
     return shape_error(kOp, "w_slots", "[B, ...] = [" + std::to_string(B) + ", ...] with w_local's "
                        "trailing dims " + dims_str(w_dims) + " and dtype", s_dims);
 
-  auto group = moonep::group_view(device_ordinal, mesh_ordinals, num_ranks);
+  auto group = moonep::group_view(device_ordinal, mesh_devices, num_ranks, timeout_ns);
   if (group.has_error()) return group.error();
-  group->timeout_ns = static_cast<uint64_t>(timeout_ns);
   const moonep::PrefetchParams params{
       .group = *group,
       .w_local = w_local.untyped_data(),
@@ -69,7 +68,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepPrefetch, PrefetchExecute,
                                   .Arg<ffi::AnyBuffer>()         // w_local [epn, D0, D1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // experts_to_copy [R, B] i32
                                   .Ret<ffi::AnyBuffer>()         // w_slots [B, D0, D1] w.dtype
-                                  .Attr<ffi::Span<const int32_t>>("mesh_ordinals")
+                                  .Attr<ffi::Span<const int32_t>>("mesh_devices")
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("num_sms")
                                   .Attr<int64_t>("timeout_ns")

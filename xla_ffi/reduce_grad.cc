@@ -29,7 +29,7 @@ bool same_trailing_dims(ffi::Span<const int64_t> dims, int64_t leading,
 ffi::Error ReduceGradExecute(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer g_in,
                              ffi::Buffer<ffi::F32> g_partial, ffi::Buffer<ffi::F32> g_slots,
                              ffi::Buffer<ffi::S32> experts_to_copy, ffi::Result<ffi::AnyBuffer> g,
-                             ffi::Span<const int32_t> mesh_ordinals, int32_t num_ranks,
+                             ffi::Span<const int32_t> mesh_devices, int32_t num_ranks,
                              int32_t num_sms, int64_t timeout_ns) {
   const auto local_dims = g_in.dimensions();
   if (local_dims.size() < 1 || local_dims[0] < 1)
@@ -65,9 +65,8 @@ ffi::Error ReduceGradExecute(cudaStream_t stream, int32_t device_ordinal, ffi::A
         std::string(kOp) + ": the result must alias g (call it with "
         "input_output_aliases={0: 0}, as moonep_jax._cuda.comm.reduce_grad_impl does)");
 
-  auto group = moonep::group_view(device_ordinal, mesh_ordinals, num_ranks);
+  auto group = moonep::group_view(device_ordinal, mesh_devices, num_ranks, timeout_ns);
   if (group.has_error()) return group.error();
-  group->timeout_ns = static_cast<uint64_t>(timeout_ns);
   const moonep::ReduceGradParams params{
       .group = *group,
       .g_partial = partials_in_g ? static_cast<const float*>(g_in.untyped_data())
@@ -96,7 +95,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepReduceGrad, ReduceGradExecute,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // g_slots [B, D0, D1] f32
                                   .Arg<ffi::Buffer<ffi::S32>>()  // experts_to_copy [R, B] i32
                                   .Ret<ffi::AnyBuffer>()         // g (aliased)
-                                  .Attr<ffi::Span<const int32_t>>("mesh_ordinals")
+                                  .Attr<ffi::Span<const int32_t>>("mesh_devices")
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("num_sms")
                                   .Attr<int64_t>("timeout_ns"),

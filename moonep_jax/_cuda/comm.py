@@ -6,8 +6,8 @@ XLA's own operand/result buffers to the peers, barrier, move rows over NVLink st
 of) those buffers, and barrier again on exit. Result types come from `jax.typeof(...)` so that they
 keep the operands' varying-mesh-axis annotation.
 
-Every call also receives the transport attributes: `mesh_ordinals` (the CUDA ordinals of the
-concrete mesh, one row per EP group; the kernels find their EP rank in it), `num_ranks`,
+Every call also receives the transport attributes: `mesh_devices` (the JAX device ids of the
+bootstrapped mesh, one row per EP group; the kernels find their EP rank in it), `num_ranks`,
 `num_sms` (CTAs of the data kernels) and `timeout_ns` (bound of every cross-GPU wait).
 """
 
@@ -28,7 +28,7 @@ _SUM_DTYPES = (jnp.bfloat16, jnp.float32)
 
 def _transport_attrs(cfg: EPConfig) -> dict:
     return dict(
-        mesh_ordinals=transport.mesh_ordinals(cfg),
+        mesh_devices=transport.mesh_devices(cfg),
         num_ranks=np.int32(cfg.num_ranks),
         num_sms=np.int32(cfg.cuda.num_sms),
         timeout_ns=np.int64(round(cfg.cuda.timeout_s * 1e9)),

@@ -41,7 +41,7 @@ def table_rows(num_rows: int, num_groups: int, overflow: bool) -> int:
 
 
 # With B == epn the handlers never read the transport attributes; these only fill the binding.
-_NO_TRANSPORT = dict(mesh_ordinals=np.array([-1], np.int32), num_ranks=np.int32(1),
+_NO_TRANSPORT = dict(mesh_devices=np.array([-1], np.int32), num_ranks=np.int32(1),
                      timeout_ns=np.int64(0))
 
 
@@ -49,7 +49,7 @@ def transport_attrs(cfg: EPConfig) -> dict:
     """The attributes an overflow call needs to find its EP group (moonep_jax/_cuda/transport.py)."""
     from moonep_jax._cuda import transport
 
-    return dict(mesh_ordinals=transport.mesh_ordinals(cfg), num_ranks=np.int32(cfg.num_ranks),
+    return dict(mesh_devices=transport.mesh_devices(cfg), num_ranks=np.int32(cfg.num_ranks),
                 timeout_ns=np.int64(round(cfg.cuda.timeout_s * 1e9)))
 
 

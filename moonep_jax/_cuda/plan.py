@@ -48,7 +48,7 @@ def plan_impl(topk_idx: jax.Array, cfg: EPConfig) -> Plan:
         num_slots=np.int64(B),
         token_padding=np.int64(cfg.token_padding),
         nvs=np.int64(nvs),
-        mesh_ordinals=transport.mesh_ordinals(cfg),
+        mesh_devices=transport.mesh_devices(cfg),
         timeout_ns=np.int64(round(cfg.cuda.timeout_s * 1e9)),
     )
     return Plan(dst=dst, cu_seqlens=cu_seqlens, zero_fill=zero_fill,

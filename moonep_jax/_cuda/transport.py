@@ -1,51 +1,91 @@
-"""The CUDA transport seen from Python: `bootstrap` and the `mesh_ordinals` attribute.
+"""The CUDA transport seen from Python: `bootstrap`, the `mesh_devices` attribute, error records.
 
-Every CUDA op passes `mesh_ordinals`, the CUDA ordinals of the concrete mesh's devices as a
-row-major `[num_groups, R]` int32 table (one row per EP group, rank = column = position on the EP
-axis, the other mesh axes flattened row-major into the rows). A handler finds its own device in
-it, and with it its EP group and rank; the group's transport context (one small symmetric area per
-GPU, peer access) lives in the extension, created once per group.
+**Bootstrap is explicit and complete before tracing.** `moonep_jax.bootstrap(mesh, axis_name)`
+creates the transport of every EP group of `mesh` that has a device of this process (a group is
+the devices sharing every non-EP coordinate; rank = position on the EP axis). Tracing a CUDA op
+has no side effect: it only looks up the registered mesh, and an op traced for a mesh that was
+not bootstrapped raises, naming `moonep_jax.bootstrap`.
 
-Inside `jax.shard_map` only the abstract mesh is public. The concrete mesh is found, in order:
-1. the mesh set with `jax.set_mesh(mesh)` (read through jax's private `get_concrete_mesh`);
-2. a mesh registered with `moonep_jax.bootstrap(mesh, axis_name)` whose axis names and sizes
-   match the abstract mesh.
-Without either, the op raises and names `moonep_jax.bootstrap`.
+Every CUDA op passes `mesh_devices`, the JAX device ids of the mesh as a row-major
+`[num_groups, R]` int32 table (identical in every process); a handler finds its own device in it,
+and with it its group and rank.
+
+**Several processes.** A group whose devices belong to several processes of one host (one
+process per GPU, several GPUs per process, or N processes sharing one GPU under MPS) is set up
+here, collectively by those processes: each exports its XLA memory pool (one VMM allocation,
+found from a fresh array's device pointer) as a POSIX file descriptor and its transport area as
+a CUDA IPC handle, publishes them with its process id and pool base through jax.distributed's
+key-value store (`moonep_jax._distributed`), takes every peer's descriptor with `pidfd_getfd`,
+and maps every peer's pool once. Per call the kernels move a peer's published addresses into
+that mapping (kernels/transport.cuh, `peer_address`), so the same kernels serve one process and
+many. Refused at bootstrap, naming the setting: `XLA_PYTHON_CLIENT_ALLOCATOR` other than the
+default BFC pool, `XLA_PYTHON_CLIENT_PREALLOCATE=false` (the pool could grow past the mapping),
+and a group spanning hosts (EP stays inside one NVLink domain; use XLA's collectives across
+hosts, e.g. a ("data", "ep") mesh with "data" across hosts).
+
+**Errors the kernels record** (bad plan data: skipped, never written through; an expired wait,
+which also traps) stay in a record per area, mirrored by the kernel into mapped pinned host
+memory; `check_transport_errors()` reads the mirrors with plain loads (no CUDA call, no sync with
+XLA's streams, still readable after a trap lost the CUDA context) and raises. Call it where a
+step already syncs (after logging a loss, at a checkpoint); the GPU tests call it after every
+test.
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
+import os
+import socket
 import threading
 
 import jax
 import numpy as np
 
-from moonep_jax import _ffi
+from moonep_jax import _distributed, _ffi
 
-# (axis names and sizes of the mesh, EP axis name) -> {table bytes: [num_groups, R] int32 table}
+# Bound of every wait of a multi-process bootstrap (a peer that never arrives).
+BOOTSTRAP_TIMEOUT_S = 120.0
+_SYS_PIDFD_GETFD = 438
+_PR_SET_PTRACER = 0x59616D61
+_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+
+# (axis names and sizes of the mesh, EP axis name) -> {table bytes: [num_groups, R] int32 ids}
 _registered: dict[tuple, dict[bytes, np.ndarray]] = {}
+_groups: set[tuple[int, ...]] = set()  # device ids of the groups registered in the extension
+_pools: dict[tuple[int, int], int] = {}  # (peer pid, peer pool base) -> mapped base here
 _lock = threading.Lock()
 
 
-def bootstrap(mesh: jax.sharding.Mesh, axis_name: str = "ep") -> None:
-    """Creates the CUDA transport of every EP group of `mesh` that this process drives.
+class TransportError(RuntimeError):
+    """A device-side error record of the CUDA transport (see `check_transport_errors`)."""
 
-    Call it once after building the mesh, before the first jitted call of a CUDA op (it is also
-    done implicitly when the op is traced under `jax.set_mesh(mesh)`). Repeated calls are cheap.
-    It allocates a small symmetric area on each GPU, enables peer access inside each group and
-    loads every kernel, so nothing of that happens while kernels run.
+
+def bootstrap(mesh: jax.sharding.Mesh, axis_name: str = "ep", *,
+              timeout_s: float = BOOTSTRAP_TIMEOUT_S) -> None:
+    """Creates the CUDA transport of every EP group of `mesh` that has a device of this process.
+
+    Call it once after building the mesh, in every process of the job, before the first CUDA op
+    is traced (repeated calls are cheap). It allocates a small symmetric area per device,
+    enables peer access, loads every kernel and, for groups spanning processes, maps every
+    peer's XLA pool once, so that nothing of that happens while kernels run.
 
     Args:
       mesh: a concrete `jax.sharding.Mesh` of GPUs.
       axis_name: the EP mesh axis (`EPConfig.axis_name`).
+      timeout_s: bound of every wait for a peer process.
 
     Raises:
       TypeError / ValueError: `mesh` is not a concrete mesh, lacks `axis_name`, is not made of
-        GPUs, or an EP group is larger than the transport supports.
-      NotImplementedError: an EP group spans several processes (one process per GPU).
-      RuntimeError: the extension is unavailable, or CUDA failed (the message says where).
+        GPUs, an EP group is larger than the transport supports, or spans several hosts.
+      RuntimeError: the extension is unavailable, a setting makes XLA's pool unmappable (the
+        message names it), or CUDA failed (the message says where).
+      TimeoutError: a peer process did not take part within `timeout_s`.
+      TransportError: a kernel recorded an error since the last check (bootstrap is one of the
+        points where records are read; see `check_transport_errors`).
     """
-    table = ordinals_table(mesh, axis_name)
+    check_transport_errors()
+    table = device_table(mesh, axis_name)
     key = (_shape_of(mesh), axis_name)
     with _lock:
         if table.tobytes() in _registered.get(key, {}):
@@ -55,25 +95,34 @@ def bootstrap(mesh: jax.sharding.Mesh, axis_name: str = "ep") -> None:
         raise ValueError(
             f"`moonep_jax.bootstrap`: the EP axis `{axis_name}` has {table.shape[1]} devices; the "
             f"CUDA transport supports at most {lib.MAX_RANKS} ranks per EP group.")
-    for row in table:
-        lib.bootstrap([int(o) for o in row])
+    for group in ep_groups(mesh, axis_name):
+        ids = tuple(d.id for d in group)
+        if ids in _groups:
+            continue
+        if all(d.process_index == jax.process_index() for d in group):
+            lib.register_group([(d.id, d.local_hardware_id, 0, 0, 0, 0) for d in group])
+        else:
+            _bootstrap_across_processes(lib, group, timeout_s)
+        _groups.add(ids)
     with _lock:
         _registered.setdefault(key, {})[table.tobytes()] = table
 
 
-def mesh_ordinals(cfg) -> np.ndarray:
-    """The `mesh_ordinals` attribute for a CUDA op traced inside `jax.shard_map`.
+def mesh_devices(cfg) -> np.ndarray:
+    """The `mesh_devices` attribute for a CUDA op traced inside `jax.shard_map` (no side effect).
 
-    Args:
-      cfg: the layer's `EPConfig` (its `axis_name` is the EP axis).
+    Inside a trace only the abstract mesh is known: the table is made of the groups of every
+    mesh registered with `moonep_jax.bootstrap` whose axis names and sizes match it (meshes over
+    different devices, such as pipeline stages, may share a shape; each device finds its own
+    group).
 
     Returns:
-      The `[num_groups, R]` int32 table, flattened row-major (FFI attributes are 1-D).
+      The `[num_groups, R]` int32 table of device ids, flattened (FFI attributes are 1-D).
 
     Raises:
-      ValueError: not traced inside `jax.shard_map` over `cfg.axis_name`, or no concrete mesh with
-        the traced mesh's axes is known (call `moonep_jax.bootstrap(mesh, axis_name)`), or several
-        are and the choice is ambiguous.
+      ValueError: not traced inside `jax.shard_map` over `cfg.axis_name`, or no such mesh was
+        bootstrapped (the message names `moonep_jax.bootstrap`), or two bootstrapped meshes of
+        this shape put one device in different EP groups.
     """
     axis_name = cfg.axis_name
     abstract = jax.sharding.get_abstract_mesh()
@@ -82,50 +131,222 @@ def mesh_ordinals(cfg) -> np.ndarray:
             f"CUDA ops must run inside `jax.shard_map` over a mesh with the EP axis `{axis_name}` "
             f"(`EPConfig.axis_name`); the current mesh is {abstract}.")
     shape = tuple(zip(abstract.axis_names, abstract.axis_sizes))
-    concrete = _concrete_mesh()
-    if concrete is not None and _shape_of(concrete) == shape:
-        bootstrap(concrete, axis_name)
-        return ordinals_table(concrete, axis_name).reshape(-1)
     with _lock:
         tables = list(_registered.get((shape, axis_name), {}).values())
-    if len(tables) == 1:
-        return tables[0].reshape(-1)
     if not tables:
         raise ValueError(
-            f"The CUDA ops cannot see which devices the mesh {dict(shape)} is made of: call "
-            f"`moonep_jax.bootstrap(mesh, axis_name={axis_name!r})` once after building the mesh, "
-            "or trace under `jax.set_mesh(mesh)`.")
-    raise ValueError(
-        f"{len(tables)} different meshes with axes {dict(shape)} were passed to "
-        "`moonep_jax.bootstrap`; trace under `jax.set_mesh(mesh)` to say which one this call uses.")
+            f"The mesh {dict(shape)} was not bootstrapped for the CUDA ops: call "
+            f"`moonep_jax.bootstrap(mesh, axis_name={axis_name!r})` once after building the "
+            "mesh, in every process, before tracing.")
+    rows = sorted({tuple(int(i) for i in row) for table in tables for row in table})
+    seen: dict[int, tuple] = {}
+    for row in rows:
+        for i in row:
+            if seen.setdefault(i, row) != row:
+                raise ValueError(
+                    f"Two meshes with axes {dict(shape)} passed to `moonep_jax.bootstrap` put "
+                    f"device {i} in different EP groups ({list(seen[i])} and {list(row)}); "
+                    "name their EP axes differently (`EPConfig.axis_name`).")
+    return np.asarray(rows, np.int32).reshape(-1)
 
 
-def ordinals_table(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
-    """`[num_groups, R] int32`: CUDA ordinals of the EP groups of `mesh` that this process drives.
+def device_table(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
+    """`[num_groups, R] int32`: JAX device ids of every EP group of `mesh`, in rank order.
 
     Raises:
-      ValueError: a group is not made of GPUs (see also `ep_groups`).
+      ValueError: a group with a device of this process is not made of GPUs (see `ep_groups`).
     """
-    groups = ep_groups(mesh, axis_name)
-    for group in groups:
+    for group in ep_groups(mesh, axis_name):
         if any(d.platform != "gpu" for d in group):
             raise ValueError(
                 f"`moonep_jax.bootstrap`: the CUDA transport needs GPU devices; the EP group has "
                 f"{sorted({d.platform for d in group})} devices.")
-    return np.asarray([[d.local_hardware_id for d in group] for group in groups], np.int32)
+    return np.asarray([[d.id for d in row] for row in _rows(mesh, axis_name)], np.int32)
 
 
 def ep_groups(mesh: jax.sharding.Mesh, axis_name: str) -> list[list[jax.Device]]:
-    """The EP groups of `mesh` that this process drives, each in EP rank order.
+    """The EP groups of `mesh` that have a device of this process, each in EP rank order.
 
     A group is the devices that share every non-EP mesh coordinate; groups are ordered row-major
-    over the other axes. Groups made only of other processes' devices are left out.
+    over the other axes. A group may span processes (see the module docstring).
 
     Raises:
       TypeError / ValueError: `mesh` is not a concrete mesh, lacks `axis_name`, or has no device of
         this process.
-      NotImplementedError: a group spans several processes (one process per GPU).
     """
+    process = jax.process_index()
+    groups = [list(row) for row in _rows(mesh, axis_name)
+              if any(d.process_index == process for d in row)]
+    if not groups:
+        raise ValueError("`moonep_jax.bootstrap`: no device of the mesh belongs to this process.")
+    return groups
+
+
+def transport_errors(clear: bool = True) -> list[dict]:
+    """Every device-side error record of this process's transport areas (empty without the
+    extension); `clear` resets them. Each is a dict with device_id, code, code_name, rank,
+    epoch, slot, detail and what."""
+    if not _ffi.available() or not _groups:
+        return []
+    return list(_ffi.lib().transport_errors(clear))
+
+
+def check_transport_errors() -> None:
+    """Raises `TransportError` if a kernel recorded an error since the last check (and clears it).
+
+    Reads the host-mapped mirror of each transport area's record of this process: plain loads,
+    no sync with XLA's streams, nothing per call (clearing a record that holds an error resets
+    it on a private stream). Errors that trap (a barrier timeout, a bad expert id) also surface
+    as the failed computation's exception, and their record names the rank, the epoch and what
+    was awaited; bad plan data (the entry was skipped) surfaces only here.
+    """
+    errors = transport_errors(clear=True)
+    if errors:
+        raise TransportError("moonep_jax: the CUDA transport recorded errors:\n  "
+                             + "\n  ".join(map(describe_error, errors)))
+
+
+def describe_error(e: dict) -> str:
+    """One line for a record of `transport_errors()`."""
+    return (f"JAX device {e['device_id']}: {e['code_name']} at EP rank {e['rank']}, epoch "
+            f"{e['epoch']}: {e['what']} (value {e['detail']})")
+
+
+# ---- several processes --------------------------------------------------------------------------
+
+def check_pool_settings() -> None:
+    """Refuses the XLA allocator settings under which a peer's pool cannot be mapped once."""
+    allocator = os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default").lower()
+    if allocator not in ("default", "bfc", ""):
+        raise RuntimeError(
+            f"`moonep_jax.bootstrap`: XLA_PYTHON_CLIENT_ALLOCATOR={allocator!r}: an EP group "
+            "spanning processes maps each peer's XLA memory pool once, which needs XLA's default "
+            "BFC pool (one VMM allocation); 'platform' and 'vmm' allocate per buffer and "
+            "'cuda_async' cannot be exported. Unset XLA_PYTHON_CLIENT_ALLOCATOR.")
+    preallocate = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower()
+    if preallocate in ("false", "0", "no"):
+        raise RuntimeError(
+            "`moonep_jax.bootstrap`: XLA_PYTHON_CLIENT_PREALLOCATE=false: the pool would grow "
+            "in new regions after bootstrap that peers have not mapped. Leave preallocation on "
+            "(size the pool with XLA_PYTHON_CLIENT_MEM_FRACTION).")
+
+
+def host_id() -> str:
+    """This host's identity: the hostname and the kernel's boot id (one per running kernel)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _bootstrap_across_processes(lib, group: list[jax.Device], timeout_s: float) -> None:
+    check_pool_settings()
+    me = jax.process_index()
+    tag = "moonep_jax/transport/" + "-".join(str(d.id) for d in group)
+    local = [d for d in group if d.process_index == me]
+    ordinals = [d.local_hardware_id for d in local]
+    processes = sorted({d.process_index for d in group})
+    host = host_id()
+    own, exported = {}, []
+    _allow_peers_to_take_fds(True)
+    try:
+        for d in local:
+            area, handle = lib.create_shared_area(d.local_hardware_id)
+            fd, base, size = _export_pool(lib, d)
+            exported.append(fd)
+            own[d.id] = area
+            _distributed.put(f"{tag}/{d.id}", json.dumps(dict(
+                pid=os.getpid(), fd=fd, base=base, size=size, area=handle.hex(), host=host,
+                pci=lib.pci_bus_id(d.local_hardware_id))))
+        peers = {}
+        for d in group:
+            if d.process_index != me:
+                peers[d.id] = json.loads(_distributed.get(
+                    f"{tag}/{d.id}", timeout_s,
+                    f"the transport handles of JAX device {d.id} (process {d.process_index})"))
+        hosts = {d.id: host for d in local} | {i: p["host"] for i, p in peers.items()}
+        if len(set(hosts.values())) > 1:
+            raise ValueError(
+                f"`moonep_jax.bootstrap`: the EP group of JAX devices {[d.id for d in group]} "
+                f"spans several hosts ({sorted(set(hosts.values()))}); EP groups must stay inside "
+                "one host (NVLink domain). Put the EP axis inside a host and the data axes "
+                "across hosts, e.g. Mesh(devices.reshape(num_hosts, -1), ('data', 'ep')).")
+        ranks = []
+        for d in group:
+            if d.process_index == me:
+                ranks.append((d.id, d.local_hardware_id, own[d.id], 0, 0, 0))
+                continue
+            p = peers[d.id]
+            mapped = _pools.get((p["pid"], p["base"]))
+            if mapped is None:
+                fd = _take_fd(p["pid"], p["fd"], d)
+                try:
+                    mapped = lib.map_pool(fd, p["size"], ordinals)
+                finally:
+                    os.close(fd)
+                _pools[(p["pid"], p["base"])] = mapped
+            area = lib.open_shared_area(ordinals, bytes.fromhex(p["area"]), p["pci"])
+            ranks.append((d.id, -1, area, p["base"], p["size"], mapped))
+        # Every peer holds its own descriptors now.
+        _distributed.barrier(f"{tag}/mapped", timeout_s, processes)
+    finally:
+        _allow_peers_to_take_fds(False)
+        for fd in exported:
+            os.close(fd)
+    lib.register_group(ranks)
+    _distributed.barrier(f"{tag}/ready", timeout_s, processes)
+
+
+def _export_pool(lib, device: jax.Device) -> tuple[int, int, int]:
+    """(fd, base, size) of `device`'s XLA pool; checks that later arrays land in it."""
+    probe = jax.device_put(np.zeros(1 << 12, np.uint8), device)
+    later = jax.device_put(np.zeros(1 << 20, np.uint8), device)
+    jax.block_until_ready((probe, later))
+    fd, base, size = lib.export_pool(device.local_hardware_id, probe.unsafe_buffer_pointer())
+    if not base <= later.unsafe_buffer_pointer() < base + size:
+        os.close(fd)
+        raise RuntimeError(
+            f"`moonep_jax.bootstrap`: XLA's arrays on {device} do not share one memory pool (a "
+            f"1 MiB array lies outside the {size} bytes around the first), so peers cannot map "
+            "it once. Use XLA's default allocator with preallocation (unset "
+            "XLA_PYTHON_CLIENT_ALLOCATOR and XLA_PYTHON_CLIENT_PREALLOCATE).")
+    return fd, base, size
+
+
+def _allow_peers_to_take_fds(allow: bool) -> None:
+    """Under Yama's ptrace_scope 1 only an ancestor may `pidfd_getfd` from this process; allow
+    any process of this user while bootstrapping (PR_SET_PTRACER), and revoke it after."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY if allow else 0), 0, 0, 0)
+
+
+def _take_fd(pid: int, fd: int, device: jax.Device) -> int:
+    """A descriptor of this process for descriptor `fd` of process `pid` (pidfd_getfd)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError as e:
+        raise RuntimeError(f"`moonep_jax.bootstrap`: cannot open process {pid} (JAX device "
+                           f"{device.id}'s process) to take its pool's descriptor: {e}. All "
+                           "processes of an EP group must run on one host.") from e
+    try:
+        got = libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+        if got < 0:
+            err = ctypes.get_errno()
+            raise RuntimeError(
+                f"`moonep_jax.bootstrap`: pidfd_getfd of process {pid}'s descriptor {fd} failed: "
+                f"{os.strerror(err)}. It needs ptrace permission over the peer (same user; "
+                "kernel.yama.ptrace_scope <= 1, or CAP_SYS_PTRACE).")
+        return got
+    finally:
+        os.close(pidfd)
+
+
+# ---- meshes -------------------------------------------------------------------------------------
+
+def _rows(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(
             f"`moonep_jax.bootstrap`: `mesh` must be a concrete jax.sharding.Mesh; got "
@@ -135,34 +356,8 @@ def ep_groups(mesh: jax.sharding.Mesh, axis_name: str) -> list[list[jax.Device]]
             f"`moonep_jax.bootstrap`: the mesh has no axis `{axis_name}` (`EPConfig.axis_name`); "
             f"its axes are {mesh.axis_names}.")
     ep = mesh.axis_names.index(axis_name)
-    rows = np.moveaxis(mesh.devices, ep, -1).reshape(-1, mesh.devices.shape[ep])
-    process = jax.process_index()
-    groups = []
-    for row in rows:
-        local = [d.process_index == process for d in row]
-        if not any(local):
-            continue
-        if not all(local):
-            raise NotImplementedError(
-                f"`moonep_jax.bootstrap`: the EP group {list(row)} spans several processes; the "
-                "CUDA transport drives one process's GPUs (one process per GPU is not supported "
-                "yet). Put the EP axis inside one process, or use implementation='xla'.")
-        groups.append(list(row))
-    if not groups:
-        raise ValueError("`moonep_jax.bootstrap`: no device of the mesh belongs to this process.")
-    return groups
+    return np.moveaxis(mesh.devices, ep, -1).reshape(-1, mesh.devices.shape[ep])
 
 
 def _shape_of(mesh) -> tuple:
     return tuple(zip(mesh.axis_names, mesh.devices.shape))
-
-
-def _concrete_mesh() -> jax.sharding.Mesh | None:
-    """The mesh set with `jax.set_mesh`, readable while tracing (private jax API; None if absent)."""
-    try:
-        from jax._src import mesh as mesh_lib
-
-        mesh = mesh_lib.get_concrete_mesh()
-    except (ImportError, AttributeError):
-        return None
-    return None if mesh is None or mesh.empty else mesh

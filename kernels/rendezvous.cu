@@ -1,0 +1,44 @@
+#include "kernels/rendezvous.h"
+
+namespace moonep {
+namespace {
+
+// One CTA of one warp: the barrier needs a thread per rank.
+__global__ void entry_rendezvous_kernel(GroupView g, int op_slot, const void* address0,
+                                        const void* address1) {
+  __shared__ uint32_t epoch;
+  if (threadIdx.x == 0) {
+    epoch = next_epoch(g, op_slot);
+    if (address0 != nullptr) publish(g, mailbox_slot(op_slot, 0), address0);
+    if (address1 != nullptr) publish(g, mailbox_slot(op_slot, 1), address1);
+  }
+  __syncthreads();
+  barrier(g, barrier_slot(op_slot, 0), epoch, "the entry barrier of a zero-copy op");
+}
+
+__global__ void exit_rendezvous_kernel(GroupView g, int op_slot) {
+  barrier(g, barrier_slot(op_slot, 1), current_epoch(g, op_slot),
+          "the exit barrier of a zero-copy op");
+}
+
+// Loaded on every device when a transport context is created (lazy loading while a peer spins
+// in a barrier can deadlock).
+[[maybe_unused]] const int kPreloaded[] = {
+    register_kernel_for_preload(as_symbol(&entry_rendezvous_kernel)),
+    register_kernel_for_preload(as_symbol(&exit_rendezvous_kernel)),
+};
+
+}  // namespace
+
+cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot, const void* address0,
+                                    const void* address1, cudaStream_t stream) {
+  entry_rendezvous_kernel<<<1, 32, 0, stream>>>(group, op_slot, address0, address1);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_exit_rendezvous(const GroupView& group, int op_slot, cudaStream_t stream) {
+  exit_rendezvous_kernel<<<1, 32, 0, stream>>>(group, op_slot);
+  return cudaGetLastError();
+}
+
+}  // namespace moonep

@@ -1,0 +1,77 @@
+"""EP groups spanning processes: R = 2, 4, 8 JAX processes sharing the one GPU under MPS.
+
+Each process sets `CUDA_VISIBLE_DEVICES=0` and owns one EP rank (moonep_jax.launch); the
+transport maps every peer's XLA pool once at bootstrap and the kernels reach the peers' buffers
+through those mappings. XLA's GPU collectives refuse two ranks on one GPU, so each process also
+computes the xla reference on the job's CPU devices (gloo), on the same inputs:
+- plan, dispatch, combine, prefetch and reduce_grad must be bitwise equal to it;
+- the grouped GEMM (training, and inference with overflow experts read from the peers' pools)
+  and moe_ffn forward and gradients within `||a - b|| / ||b|| < 1e-2` (the CuTe GEMM
+  accumulates in another order than XLA's CPU dot, as in the single-process GPU tests);
+at maxvio 0 to 20 with repeated ids and -1 entries; then 1000 back-to-back calls with changing
+routings, each bitwise equal to its reference. The last test kills one process mid-run: the
+others' bounded waits fire (rank and epoch in the report) and they exit; nothing hangs.
+
+Run from a test process that stays off the GPU: `JAX_PLATFORMS=cpu` (tools/gpu.sh run does).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from moonep_jax import launch
+
+from _mp_workloads import Sizes, check_suite
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess_gpu]
+
+WORKLOADS = str(Path(__file__).with_name("_mp_workloads.py"))
+MAXVIOS = (0.0, 1.0, 20.0)
+TRAIN = Sizes(S=32, K=2, E=64, H=64, F=32)
+INFER = Sizes(S=32, K=2, E=64, H=64, F=32, B=2, tp=2)
+CASES = (("train", TRAIN, True), ("infer", INFER, False))
+CALLS = 1000
+
+
+@pytest.fixture(scope="module")
+def mps_env():
+    """An MPS daemon for the module (started here unless one runs), and the clients' env."""
+    with launch.mps() as env:
+        yield env
+
+
+def _env(mps_env: dict, R: int) -> dict:
+    return dict(mps_env, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.6 / R:.4f}",
+                XLA_PYTHON_CLIENT_PREALLOCATE="true")
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_cuda_ops_in_processes_sharing_one_gpu_match_xla(mps_env, seed, R):
+    results = launch.run(f"{WORKLOADS}:gpu_suite", R, (seed, MAXVIOS, CASES, CALLS),
+                         platform="gpu", env=_env(mps_env, R), timeout_s=300)
+    check_suite([r.value for r in results], f"R={R}", CALLS)
+
+
+def test_dead_process_makes_the_others_exit_through_bounded_waits(mps_env, seed):
+    R, victim, timeout_s = 4, 2, 3.0
+    start = time.monotonic()
+    results = launch.run(f"{WORKLOADS}:die_mid_run", R, (seed, victim, 200, TRAIN, timeout_s),
+                         platform="gpu", env=_env(mps_env, R), timeout_s=150,
+                         expect_failure=True, stop_on_failure=False)
+    elapsed = time.monotonic() - start
+    assert results[victim].returncode == -signal.SIGKILL, results[victim].tail()
+    assert f"process {victim}: killing myself" in results[victim].output
+    survivors = [r for r in results if r.process_id != victim]
+    for r in survivors:  # exit 3: the error reached Python; XLA may also abort on a lost context
+        assert r.returncode not in (0, None), f"process {r.process_id} hung or went on:\n{r.tail()}"
+    # The record of an expired wait (read from its host-mapped mirror after the trap) names the
+    # rank, the epoch and what it awaited.
+    reports = "\n".join(r.output for r in survivors)
+    assert re.search(r"timeout at EP rank \d, epoch \d+: \w", reports) or (
+        "timed out" in reports and "epoch" in reports), reports[-4000:]
+    assert elapsed < 150
