@@ -85,6 +85,7 @@ def check_plan(op: str, plan, cfg: EPConfig) -> None:
         "experts_to_copy": ("[R, B]", [R, B]),
         "recv_src": ("[NvS]", [nvs]),
         "recv_primary": ("[NvS]", [nvs]),
+        "num_invalid_ids": ("[1]", [1]),
     }
     for field, (dims, shape) in expected.items():
         check_array(op, f"plan.{field}", getattr(plan, field), dims, shape, jnp.int32)

@@ -282,7 +282,7 @@ def hand_plan(cfg):
     i32 = functools.partial(np.zeros, dtype=np.int32)
     return moonep_jax.Plan(dst=i32(N), cu_seqlens=i32(G), zero_fill=i32((G, 2)),
                            experts_to_copy=i32((cfg.num_ranks, cfg.num_slots)),
-                           recv_src=i32(nvs), recv_primary=i32(nvs))
+                           recv_src=i32(nvs), recv_primary=i32(nvs), num_invalid_ids=i32(1))
 
 
 def test_ops_outside_shard_map_name_the_missing_axis():

@@ -69,6 +69,7 @@ ffi::Error PlanExecute(cudaStream_t stream, int32_t device_ordinal,
                        ffi::ResultBuffer<ffi::S32> cu_seqlens, ffi::ResultBuffer<ffi::S32> zero_fill,
                        ffi::ResultBuffer<ffi::S32> experts_to_copy,
                        ffi::ResultBuffer<ffi::S32> recv_src, ffi::ResultBuffer<ffi::S32> recv_primary,
+                       ffi::ResultBuffer<ffi::S32> num_invalid_ids,
                        int64_t E, int64_t K, int64_t S, int64_t R, int64_t B, int64_t tp, int64_t nvs,
                        ffi::Span<const int32_t> mesh_ordinals, int64_t timeout_ns) {
   if (auto err = check_sizes(E, K, S, R, B, tp, nvs); err.failure()) return err;
@@ -79,7 +80,8 @@ ffi::Error PlanExecute(cudaStream_t stream, int32_t device_ordinal,
                    check_shape("zero_fill", zero_fill->dimensions(), {G, 2}),
                    check_shape("experts_to_copy", experts_to_copy->dimensions(), {R, B}),
                    check_shape("recv_src", recv_src->dimensions(), {nvs}),
-                   check_shape("recv_primary", recv_primary->dimensions(), {nvs})}) {
+                   check_shape("recv_primary", recv_primary->dimensions(), {nvs}),
+                   check_shape("num_invalid_ids", num_invalid_ids->dimensions(), {1})}) {
     if (err.failure()) return err;
   }
   if (timeout_ns <= 0) {
@@ -105,6 +107,7 @@ ffi::Error PlanExecute(cudaStream_t stream, int32_t device_ordinal,
   params.experts_to_copy = experts_to_copy->typed_data();
   params.recv_src = recv_src->typed_data();
   params.recv_primary = recv_primary->typed_data();
+  params.num_invalid_ids = num_invalid_ids->typed_data();
   MOONEP_CUDA_RETURN_IF_ERROR("moonep_plan", launch_plan(params, stream));
   return ffi::Error::Success();
 }
@@ -123,6 +126,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepPlan, moonep::PlanExecute,
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // experts_to_copy [R, B]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src [NvS]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_primary [NvS]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // num_invalid_ids [1]
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("top_k")
                                   .Attr<int64_t>("tokens_per_rank")
