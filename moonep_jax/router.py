@@ -17,13 +17,14 @@ trainable parameter (no gradient flows into it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from moonep_jax._cuda.transport import bootstrap
 from moonep_jax._impl import resolved_implementation
@@ -268,7 +269,9 @@ def moe_block(x: jax.Array, params: Mapping[str, jax.Array],
 
     Runs one `jax.shard_map` over `spec.mesh`; each token shard routes its own tokens with the
     replicated router and calls `moonep_jax.moe_ffn` with its EP rank's experts. Differentiable in
-    `x` and every parameter except `router_bias`. Call it under `jax.jit` (eagerly it works too).
+    `x` and every parameter except `router_bias` (reverse mode only). The shard_mapped core is
+    jitted once per static configuration and cached, so eager calls cost one compilation, not one
+    per call; under an outer `jax.jit` it is inlined as usual.
 
     Args:
       x: `[T, H]` global tokens, sharded (or to be sharded) over `spec.token_axes`.
@@ -278,9 +281,15 @@ def moe_block(x: jax.Array, params: Mapping[str, jax.Array],
     Returns:
       `y [T, H]` (x's dtype, sharded like x) and `aux`, a dict of router statistics:
       `expert_counts [E] int32` (routed entries per expert over the whole batch), `maxvio []
-      float32` (`max_e(T_e / mean) - 1`), and `recv_slots [num_token_shards] int32`, the rows each
-      rank received in the plan (rows with `recv_src >= 0`; ranks ordered like the token shards).
-      MoonEP's invariant makes every entry of `recv_slots` equal `S*K` (the router drops nothing).
+      float32` (`max_e(T_e / mean) - 1`), `recv_slots [num_token_shards] int32`, the rows each
+      rank received in the plan (rows with `recv_src >= 0`; ranks ordered like the token shards),
+      and `num_invalid_ids [] int32`, the routed entries of the whole batch whose expert id is
+      outside `[-1, E)` (dropped; see `moonep_jax.Plan.num_invalid_ids`). MoonEP's invariant
+      makes every entry of `recv_slots` equal `S*K` (the router drops nothing), and the router
+      never picks an invalid id, so `num_invalid_ids` is 0 unless the routing is broken.
+
+    Raises:
+      TypeError: under forward-mode autodiff (`jax.jvp`, `jax.jacfwd`), which is not supported.
     """
     _check_tokens(x, spec)
     cfg = spec.ep_config(x.shape[0])
@@ -288,10 +297,37 @@ def moe_block(x: jax.Array, params: Mapping[str, jax.Array],
     if set(params) != set(expected):
         raise ValueError(f"`moonep_jax.MoE`: `params` must have the keys {sorted(expected)}; "
                          f"got {sorted(params)}.")
-    params = dict(params)
-    tokens = P(spec.token_axes, None)
     if resolved_implementation(cfg) == "cuda":
         bootstrap(spec.mesh, spec.axis_name)  # tells the CUDA ops which GPUs this mesh holds
+    block = _sharded_block(spec, cfg)
+    try:
+        y, counts, recv_slots, num_invalid_ids = block(x, dict(params))
+    except TypeError as e:
+        if "forward-mode autodiff" not in str(e):
+            raise
+        raise TypeError(_NO_FORWARD_MODE) from e
+    aux = {"expert_counts": counts, "maxvio": maxvio(counts), "recv_slots": recv_slots,
+           "num_invalid_ids": num_invalid_ids}
+    return y, aux
+
+
+_NO_FORWARD_MODE = (
+    "`moonep_jax.MoE`: forward-mode autodiff (`jax.jvp`, `jax.jacfwd`, `jax.linearize`) is not "
+    "supported: `moonep_jax.moe_ffn` and its ops define reverse-mode rules only (`jax.custom_vjp`). "
+    "Use `jax.grad`, `jax.vjp` or `jax.jacrev`.")
+
+
+# A few configurations per process (one per layer shape and mesh); each entry holds one jitted
+# function and its compiled executables.
+@functools.lru_cache(maxsize=64)
+def _sharded_block(spec: MoESpec, cfg: EPConfig):
+    """`jit(shard_map(per_shard))` of one static configuration: `(x, params) -> (y, counts,
+    recv_slots, num_invalid_ids)`.
+
+    Eagerly, an un-jitted `shard_map` runs its body op by op, compiling hundreds of small XLA
+    programs on every call; one cached `jax.jit` compiles the block once per input shape.
+    """
+    tokens = P(spec.token_axes, None)
 
     def per_shard(x, params):
         logits = jnp.dot(x.astype(jnp.float32), params["router_w"].astype(jnp.float32))
@@ -305,11 +341,24 @@ def moe_block(x: jax.Array, params: Mapping[str, jax.Array],
                            params["shared_w_down"].astype(x.dtype))
         counts = jax.lax.psum(expert_counts(topk_idx, spec.num_experts), spec.token_axes)
         # Measured from the plan, not assumed: this is the number the layer's shapes rely on.
-        recv_slots = jnp.sum(make_plan(topk_idx, cfg).recv_src >= 0, dtype=jnp.int32)
-        return y, counts, recv_slots.reshape(1)
+        plan = make_plan(topk_idx, cfg)
+        recv_slots = jnp.sum(plan.recv_src >= 0, dtype=jnp.int32)
+        num_invalid_ids = jax.lax.psum(plan.num_invalid_ids[0], spec.token_axes)
+        return y, counts, recv_slots.reshape(1), num_invalid_ids
 
-    y, counts, recv_slots = jax.shard_map(
-        per_shard, mesh=spec.mesh, in_specs=(tokens, expected),
-        out_specs=(tokens, P(), P(spec.token_axes)))(x, params)
-    aux = {"expert_counts": counts, "maxvio": maxvio(counts), "recv_slots": recv_slots}
-    return y, aux
+    specs = param_specs(spec)
+    sharded = jax.shard_map(per_shard, mesh=spec.mesh, in_specs=(tokens, specs),
+                            out_specs=(tokens, P(), P(spec.token_axes), P()))
+    if not all(t == AxisType.Explicit for t in spec.mesh.axis_types):
+        return jax.jit(sharded)  # Auto axes: jit and shard_map place the inputs themselves
+
+    def placed(x, params):
+        # Explicit axes: shard_map requires its inputs to carry the in_specs already, so an
+        # unsharded x (or parameter) is resharded first; a no-op for correctly placed inputs.
+        def to(spec_of, value):
+            return jax.sharding.reshard(value, NamedSharding(spec.mesh, spec_of))
+
+        return sharded(to(tokens, x), {name: to(specs[name], value)
+                                       for name, value in params.items()})
+
+    return jax.jit(placed)

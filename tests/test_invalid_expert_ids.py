@@ -9,10 +9,11 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import checkify
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import moonep_jax
 from moonep_jax.layer import moe_ffn
@@ -120,3 +121,42 @@ def test_check_expert_ids_without_checkify_fails_at_trace_time(mesh_factory):
 def test_check_expert_ids_must_be_a_bool():
     with pytest.raises(TypeError, match="`EPConfig.check_expert_ids` must be a bool"):
         make_config(check_expert_ids=1)
+
+
+def make_module(framework, mesh, seed, **kwargs):
+    kwargs = dict(hidden=H, ffn_hidden=F, num_experts=E, top_k=K, mesh=mesh, **kwargs)
+    if framework == "flax":
+        from flax import nnx
+
+        import moonep_jax.flax
+
+        return moonep_jax.flax.MoE(**kwargs, rngs=nnx.Rngs(seed))
+    import moonep_jax.equinox
+
+    return moonep_jax.equinox.shard(moonep_jax.equinox.MoE(**kwargs, key=jax.random.key(seed)))
+
+
+@pytest.mark.parametrize("framework", ["flax", "equinox"])
+def test_modules_count_invalid_ids_in_aux(mesh_factory, seed, monkeypatch, framework):
+    """A broken router's invalid ids reach `aux["num_invalid_ids"]` (summed over the batch)."""
+    from moonep_jax import router
+
+    mesh = mesh_factory(R)
+    route = router.route
+
+    def broken_route(logits, top_k, **kwargs):  # every even token's first choice becomes E + 7
+        topk_idx, topk_w = route(logits, top_k, **kwargs)
+        even = jnp.arange(topk_idx.shape[0]) % 2 == 0
+        return topk_idx.at[:, 0].set(jnp.where(even, E + 7, topk_idx[:, 0])), topk_w
+
+    x = jax.device_put(np.random.default_rng(seed).standard_normal((R * S, H)).astype(np.float32),
+                       NamedSharding(mesh, P("ep")))
+    moe = make_module(framework, mesh, seed, implementation="xla")
+    monkeypatch.setattr(router, "route", broken_route)
+    router._sharded_block.cache_clear()  # the cached block was traced with the real router
+    try:
+        _, aux = jax.jit(lambda x: moe(x))(x)
+    finally:
+        router._sharded_block.cache_clear()
+    assert aux["num_invalid_ids"].dtype == np.int32 and aux["num_invalid_ids"].shape == ()
+    assert int(aux["num_invalid_ids"]) == R * S // 2
