@@ -21,6 +21,19 @@ from moonep_jax.layer import moe_ffn
 from moonep_jax.plan import plan
 from moonep_jax.plan_types import Plan
 
+# The framework modules import Flax / Equinox, which the core does not need: they load on first
+# attribute access (`moonep_jax.flax.MoE` after a plain `import moonep_jax`).
+_FRAMEWORK_MODULES = ("flax", "equinox")
+
+
+def __getattr__(name: str):
+    if name in _FRAMEWORK_MODULES:
+        import importlib
+
+        return importlib.import_module(f"moonep_jax.{name}")
+    raise AttributeError(f"module 'moonep_jax' has no attribute {name!r}")
+
+
 __all__ = [
     "DROPPED", "CudaOptions", "EPConfig", "Plan", "bootstrap", "combine", "dispatch",
     "grouped_matmul", "moe_ffn", "plan", "prefetch", "reduce_grad", "resolved_implementation",
