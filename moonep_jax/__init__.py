@@ -3,7 +3,7 @@
 Every op runs per EP rank inside `jax.shard_map` over `EPConfig.axis_name`:
 
     plan = moonep_jax.plan(topk_idx, cfg)
-    recv_x, recv_w, plan = moonep_jax.dispatch(x, topk_w, plan, cfg)
+    recv_x, recv_w = moonep_jax.dispatch(x, topk_w, plan, cfg)
     w_slots = moonep_jax.prefetch(w_local, plan, cfg)
     y = moonep_jax.grouped_matmul(recv_x, w_local, w_slots, plan, cfg)
     out = moonep_jax.combine(y, plan, cfg)
