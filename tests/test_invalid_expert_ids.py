@@ -139,10 +139,10 @@ def make_module(framework, mesh, seed, **kwargs):
 @pytest.mark.parametrize("framework", ["flax", "equinox"])
 def test_modules_count_invalid_ids_in_aux(mesh_factory, seed, monkeypatch, framework):
     """A broken router's invalid ids reach `aux["num_invalid_ids"]` (summed over the batch)."""
-    from moonep_jax import router
+    from moonep_jax import moe_block
 
     mesh = mesh_factory(R)
-    route = router.route
+    route = moe_block.route
 
     def broken_route(logits, top_k, **kwargs):  # every even token's first choice becomes E + 7
         topk_idx, topk_w = route(logits, top_k, **kwargs)
@@ -152,11 +152,11 @@ def test_modules_count_invalid_ids_in_aux(mesh_factory, seed, monkeypatch, frame
     x = jax.device_put(np.random.default_rng(seed).standard_normal((R * S, H)).astype(np.float32),
                        NamedSharding(mesh, P("ep")))
     moe = make_module(framework, mesh, seed, implementation="xla")
-    monkeypatch.setattr(router, "route", broken_route)
-    router._sharded_block.cache_clear()  # the cached block was traced with the real router
+    monkeypatch.setattr(moe_block, "route", broken_route)
+    moe_block._sharded_block.cache_clear()  # the cached block was traced with the real router
     try:
         _, aux = jax.jit(lambda x: moe(x))(x)
     finally:
-        router._sharded_block.cache_clear()
+        moe_block._sharded_block.cache_clear()
     assert aux["num_invalid_ids"].dtype == np.int32 and aux["num_invalid_ids"].shape == ()
     assert int(aux["num_invalid_ids"]) == R * S // 2

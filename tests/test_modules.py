@@ -20,7 +20,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import moonep_jax.equinox as meqx
 import moonep_jax.flax as mflax
-from moonep_jax import router
+from moonep_jax import moe_block, router
 from moonep_jax.layer import moe_ffn
 
 H, F, FS, E, K = 16, 8, 12, 16, 2
@@ -77,7 +77,7 @@ def functional_path(x, params, mesh, data_axes, options):
     """`moe_ffn` called directly per shard with the router's routing, plus the shared expert."""
     token_axes = (*data_axes, "ep")
     shards = int(np.prod([mesh.shape[a] for a in token_axes]))
-    cfg = router.MoESpec(num_experts=E, top_k=K, hidden=H, ffn_hidden=F, mesh=mesh,
+    cfg = moe_block.MoESpec(num_experts=E, top_k=K, hidden=H, ffn_hidden=F, mesh=mesh,
                          data_axes=data_axes, implementation="xla",
                          **options).ep_config(x.shape[0])
     assert cfg.tokens_per_rank * shards == x.shape[0]
@@ -93,8 +93,8 @@ def functional_path(x, params, mesh, data_axes, options):
             y = y + (jax.nn.silu(h[:, :FS]) * h[:, FS:]) @ p["shared_w_down"]
         return y, topk_idx
 
-    specs = {name: spec for name, spec in router.param_specs(
-        router.MoESpec(num_experts=E, top_k=K, hidden=H, ffn_hidden=F, mesh=mesh,
+    specs = {name: spec for name, spec in moe_block.param_specs(
+        moe_block.MoESpec(num_experts=E, top_k=K, hidden=H, ffn_hidden=F, mesh=mesh,
                        **options)).items() if name in params}
     return jax.jit(jax.shard_map(
         per_shard, mesh=mesh, in_specs=(P(token_axes, None), specs),
@@ -199,7 +199,7 @@ def test_flax_trains_with_optax_and_keeps_declared_shardings(seed):
     mesh, _ = make_mesh("ep8-explicit")
     moe = mflax.MoE(H, F, E, K, mesh=mesh, rngs=nnx.Rngs(seed), implementation="xla",
                     shared_ffn_hidden=FS, router_bias=True)
-    declared = router.param_specs(moe.spec)
+    declared = moe_block.param_specs(moe.spec)
     graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
     # Declared (metadata) and actual placement agree.
     metadata_specs = {k: v.get_value() for k, v in nnx.get_partition_spec(params).items()}
@@ -362,7 +362,7 @@ def test_flax_module_cuda_matches_xla_forward_and_grads(seed):
     close(dx_cuda, dx_xla)
     for name in ("router_w", "w_gate_up", "w_down", "shared_w_gate_up", "shared_w_down"):
         close(dp_cuda[name].get_value(), dp_xla[name].get_value())
-        declared = router.param_specs(moes["cuda"].spec)[name]
+        declared = moe_block.param_specs(moes["cuda"].spec)[name]
         assert dp_cuda[name].get_value().sharding.spec == declared
 
 
