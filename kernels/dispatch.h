@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/constants.h"
 #include "kernels/transport.cuh"
 
 namespace moonep {
@@ -17,7 +18,6 @@ namespace moonep {
 // NOTE: outside transport.cuh's ErrorCode range on purpose, so that the two never collide.
 constexpr uint32_t kErrorBadPlanData = 16;
 
-constexpr int32_t kDroppedEntry = INT32_MIN;  // Plan.dst of an entry with expert id -1
 
 #ifdef __CUDACC__
 
@@ -37,8 +37,8 @@ struct Destination {
 
 __device__ __forceinline__ Destination decode_destination(const GroupView& g, int op_slot,
                                                           int32_t v, int32_t nvs) {
-  if (v == kDroppedEntry) return {-1, 0, false};
-  const int32_t raw = v >= 0 ? v : -v - 1;  // v > kDroppedEntry, so -v - 1 cannot overflow
+  if (v == kDropped) return {-1, 0, false};
+  const int32_t raw = v >= 0 ? v : -v - 1;  // v > kDropped, so -v - 1 cannot overflow
   const int32_t dest = raw / nvs;
   if (dest >= g.num_ranks) {
     report_bad_plan_data(g, op_slot, v, "plan.dst names a rank outside the group");
@@ -75,7 +75,7 @@ struct DispatchParams {
   float* recv_w;                // [nvs] result: received route weights (XLA result buffer)
   int64_t row_bytes;            // H * element size; rows are byte copies
   int32_t num_tokens;           // S
-  int32_t top_k;                // K <= 32
+  int32_t top_k;                // K <= kMaxTopK
   int32_t nvs;                  // NvS receive rows per rank
   int32_t num_sms;              // CTAs of the data kernels
 };

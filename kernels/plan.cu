@@ -14,6 +14,7 @@
 // Every tie rule follows moonep_algorithm.md §3 and moonep_jax/plan.py::_plan_xla exactly.
 #include <climits>
 
+#include "kernels/constants.h"
 #include "kernels/plan.h"
 
 namespace moonep {
@@ -27,7 +28,6 @@ constexpr int kChunkLoadBatch = 16;  // independent loads in flight per thread i
 constexpr int kLayoutPerLane = 8;    // consecutive groups per lane in the layout scan
 constexpr int kMaxCandidates = kMaxExperts + kMaxRanks * kMaxRanks;  // see plan_balance_kernel
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int32_t kDropped = INT32_MIN;  // config.DROPPED
 
 constexpr int kMailboxRecvSrc = mailbox_slot(kOpPlan, 0);
 constexpr int kMailboxRecvPrimary = mailbox_slot(kOpPlan, 1);

@@ -21,7 +21,7 @@ constexpr int kPlanChunkCountInts = 64 * 1024;
 struct PlanParams {
   // Sizes (per rank; DESIGN §2).
   int num_experts;    // E <= kMaxExperts
-  int top_k;          // K <= 32
+  int top_k;          // K <= kMaxTopK (kernels/constants.h)
   int num_tokens;     // S
   int num_slots;      // B
   int token_padding;  // tp

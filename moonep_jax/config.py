@@ -15,6 +15,8 @@ from typing import Literal
 Implementation = Literal["auto", "cuda", "xla"]
 IMPLEMENTATIONS = ("auto", "cuda", "xla")
 
+# MAX_TOP_K and DROPPED have C++ copies in kernels/constants.h (the package must run without the
+# extension, so it cannot read them from there); tests/test_constants.py holds the two equal.
 MAX_TOP_K = 32
 
 # Sentinel written in `Plan.dst` for an entry whose expert id is -1 (dropped: no slot, no payload).

@@ -7,14 +7,13 @@
 #include <initializer_list>
 #include <string>
 
+#include "kernels/constants.h"
 #include "kernels/plan.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/transport.h"
 
 namespace moonep {
 namespace {
-
-constexpr int kMaxTopK = 32;  // config.MAX_TOP_K
 
 std::string dims_str(ffi::Span<const int64_t> dims) {
   std::string s = "[";
@@ -53,7 +52,7 @@ ffi::Error check_sizes(int64_t E, int64_t K, int64_t S, int64_t R, int64_t B, in
                "E=" + std::to_string(E) + ", R=" + std::to_string(R));
   }
   if (K < 1 || K > kMaxTopK || S < 1) {
-    return bad("K must be in [1, 32] and S >= 1", "K=" + std::to_string(K) + ", S=" + std::to_string(S));
+    return bad("K must be in [1, " + std::to_string(kMaxTopK) + "] and S >= 1", "K=" + std::to_string(K) + ", S=" + std::to_string(S));
   }
   if (B < 1 || B > E / R || tp < 1) {
     return bad("B must be in [1, E/R] and tp >= 1", "B=" + std::to_string(B) + ", tp=" + std::to_string(tp));
