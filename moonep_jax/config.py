@@ -121,8 +121,9 @@ class EPConfig:
                 f"`EPConfig.implementation` must be one of {IMPLEMENTATIONS}; "
                 f"got {self.implementation!r}.")
         if not isinstance(self.check_expert_ids, bool):
+            got = self.check_expert_ids
             raise TypeError(f"`EPConfig.check_expert_ids` must be a bool; "
-                            f"got {type(self.check_expert_ids).__name__} {self.check_expert_ids!r}.")
+                            f"got {type(got).__name__} {got!r}.")
         if not isinstance(self.cuda, CudaOptions):
             raise TypeError(f"`EPConfig.cuda` must be a CudaOptions; got {type(self.cuda).__name__}.")
         if self.num_ranks * self.nvs >= 2**31:

@@ -216,8 +216,8 @@ def moe_block(x: jax.Array, params: Mapping[str, jax.Array],
 
 _NO_FORWARD_MODE = (
     "`moonep_jax.MoE`: forward-mode autodiff (`jax.jvp`, `jax.jacfwd`, `jax.linearize`) is not "
-    "supported: `moonep_jax.moe_ffn` and its ops define reverse-mode rules only (`jax.custom_vjp`). "
-    "Use `jax.grad`, `jax.vjp` or `jax.jacrev`.")
+    "supported: `moonep_jax.moe_ffn` and its ops define reverse-mode rules only "
+    "(`jax.custom_vjp`). Use `jax.grad`, `jax.vjp` or `jax.jacrev`.")
 
 
 # A few configurations per process (one per layer shape and mesh); each entry holds one jitted

@@ -28,7 +28,7 @@ def module_constants(path: pathlib.Path) -> dict[str, int]:
         names = target.elts if isinstance(target, ast.Tuple) else [target]
         values = value.elts if isinstance(value, ast.Tuple) else [value]
         for name, v in zip(names, values):
-            if isinstance(name, ast.Name) and isinstance(v, ast.Constant) and isinstance(v.value, int):
+            if isinstance(name, ast.Name) and isinstance(getattr(v, "value", None), int):
                 constants[name.id] = v.value
     return constants
 

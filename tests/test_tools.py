@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -43,9 +44,15 @@ def which_python(tmp_path, on_path: dict[str, tuple[int, int, int]], pyenv: list
     for name, version in on_path.items():
         fake_python(bin_dir / name, version)
     fake_pyenv(home, pyenv)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(home)}
-    return subprocess.run(["bash", str(REPO / "tools" / "setup.sh"), "--which-python"],
-                          capture_output=True, text=True, env=env, timeout=60)
+    # A PATH of the stand-ins and the few tools setup.sh runs, so that no interpreter of the
+    # machine running the test can be picked.
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for tool in ("dirname", "grep", "sort", "tail"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    env = {"PATH": f"{bin_dir}:{tools}", "HOME": str(home)}
+    setup = [shutil.which("bash"), str(REPO / "tools" / "setup.sh"), "--which-python"]
+    return subprocess.run(setup, capture_output=True, text=True, env=env, timeout=60)
 
 
 def test_setup_prefers_pyenvs_3_12_over_a_newer_python(tmp_path):

@@ -14,18 +14,22 @@ is_version() {  # is_version PYTHON EXPR: EXPR on sys.version_info holds
 
 pyenv_python() {  # pyenv_python REGEX: newest pyenv interpreter whose version matches
   local pyenv_bin
-  pyenv_bin=$(command -v pyenv || { [ -x "$HOME/.pyenv/bin/pyenv" ] && echo "$HOME/.pyenv/bin/pyenv"; }) || return 1
+  pyenv_bin=$(command -v pyenv) || pyenv_bin=$HOME/.pyenv/bin/pyenv
+  [ -x "$pyenv_bin" ] || return 1
   local version; version=$("$pyenv_bin" versions --bare | grep -E "$1" | sort -V | tail -1)
   [ -n "$version" ] && echo "$("$pyenv_bin" root)/versions/$version/bin/python3"
 }
 
 pick_python() {
   local candidate
-  for candidate in "${PYTHON:-}" python3.12 "$(pyenv_python '^3\.12(\.[0-9]+)?$' || true)" python3; do
+  local pyenv_3_12 pyenv_newer
+  pyenv_3_12=$(pyenv_python '^3\.12(\.[0-9]+)?$' || true)
+  pyenv_newer=$(pyenv_python '^3\.(1[3-9])(\.[0-9]+)?$' || true)
+  for candidate in "${PYTHON:-}" python3.12 "$pyenv_3_12" python3; do
     [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1 || continue
     if is_version "$candidate" "v[:2] == (3, 12)"; then echo "$candidate"; return 0; fi
   done
-  for candidate in "${PYTHON:-}" python3.13 "$(pyenv_python '^3\.(1[3-9])(\.[0-9]+)?$' || true)" python3; do
+  for candidate in "${PYTHON:-}" python3.13 "$pyenv_newer" python3; do
     [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1 || continue
     if is_version "$candidate" "v >= (3, 12)"; then
       echo "warning: no Python 3.12 found; using $candidate ($("$candidate" --version 2>&1))." \

@@ -52,7 +52,8 @@ ffi::Error check_sizes(int64_t E, int64_t K, int64_t S, int64_t R, int64_t B, in
                "E=" + std::to_string(E) + ", R=" + std::to_string(R));
   }
   if (K < 1 || K > kMaxTopK || S < 1) {
-    return bad("K must be in [1, " + std::to_string(kMaxTopK) + "] and S >= 1", "K=" + std::to_string(K) + ", S=" + std::to_string(S));
+    return bad("K must be in [1, " + std::to_string(kMaxTopK) + "] and S >= 1",
+               "K=" + std::to_string(K) + ", S=" + std::to_string(S));
   }
   if (B < 1 || B > E / R || tp < 1) {
     return bad("B must be in [1, E/R] and tp >= 1", "B=" + std::to_string(B) + ", tp=" + std::to_string(tp));
