@@ -110,7 +110,7 @@ def moonep_steps(cfg: moonep_jax.EPConfig):
         return topk_idx.at[0, 0].set(first)
 
     def dispatch_step(x, topk_w, p):
-        recv_x, _, _ = dispatch(x, topk_w, p, cfg)
+        recv_x, _ = dispatch(x, topk_w, p, cfg)
         return feed_back(x, recv_x)
 
     def combine_step(y, p):

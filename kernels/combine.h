@@ -20,7 +20,7 @@ struct CombineParams {
   RowType row_type;           // dtype of y and out
   int32_t hidden;             // H
   int32_t num_tokens;         // S
-  int32_t top_k;              // K <= 32
+  int32_t top_k;              // K <= kMaxTopK
   int32_t nvs;                // NvS
   int32_t num_sms;            // CTAs of the data kernel
 };

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "kernels/constants.h"
 #include "kernels/transport.cuh"
 
 namespace moonep {
@@ -20,7 +21,7 @@ struct DispatchParams {
   float* recv_w;                // [nvs] result: received route weights (XLA result buffer)
   int64_t row_bytes;            // H * element size; rows are byte copies
   int32_t num_tokens;           // S
-  int32_t top_k;                // K <= 32
+  int32_t top_k;                // K <= kMaxTopK
   int32_t nvs;                  // NvS receive rows per rank
   int32_t num_sms;              // CTAs of the data kernels
 };

@@ -1,7 +1,8 @@
 // The CUDA planner (see plan.h). Four kernels on XLA's stream, per rank:
 //
-//   plan_count_kernel    (C CTAs)  per-chunk expert histograms of the local entries; marks the
-//                                  receive rows of this rank's recv_src / recv_primary as -1.
+//   plan_count_kernel    (C CTAs)  per-chunk expert histograms and invalid-id counts of the local
+//                                  entries; marks the receive rows of this rank's recv_src /
+//                                  recv_primary as -1.
 //   plan_balance_kernel  (1 CTA)   local counts -> every peer's counts region, recv addresses ->
 //                                  every peer's mailbox, barrier; then, replicated on every rank,
 //                                  B1-B3 and the generation-1 layout of all R destinations.
@@ -13,6 +14,7 @@
 // Every tie rule follows moonep_algorithm.md §3 and moonep_jax/plan.py::_plan_xla exactly.
 #include <climits>
 
+#include "kernels/constants.h"
 #include "kernels/plan.h"
 
 namespace moonep {
@@ -26,22 +28,16 @@ constexpr int kChunkLoadBatch = 16;  // independent loads in flight per thread i
 constexpr int kLayoutPerLane = 8;    // consecutive groups per lane in the layout scan
 constexpr int kMaxCandidates = kMaxExperts + kMaxRanks * kMaxRanks;  // see plan_balance_kernel
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int32_t kDropped = INT32_MIN;  // config.DROPPED
 
 constexpr int kMailboxRecvSrc = mailbox_slot(kOpPlan, 0);
 constexpr int kMailboxRecvPrimary = mailbox_slot(kOpPlan, 1);
 constexpr int kBarrierExchange = barrier_slot(kOpPlan, 0);
 constexpr int kBarrierExit = barrier_slot(kOpPlan, 1);
 
-// Status words after the E counts of a rank's row in the counts exchange.
-constexpr int kBadIdCount = kMaxExperts + 0;  // entries with ids outside [-1, E)
-constexpr int kBadIdExample = kMaxExperts + 1;
-static_assert(kCountsExtra >= 2, "the counts row carries the bad-id count and an example id");
-
 // Planner scratch in this rank's PeerArea (ints). Strides use the static maxima.
 constexpr int kChunkCountsOff = 0;                                          // [chunks][E]
-constexpr int kChunkBadOff = kChunkCountsOff + kPlanChunkCountInts;            // [chunks][2]
-constexpr int kRankBaseOff = kChunkBadOff + 2 * kMaxPlanChunks;              // [E]
+constexpr int kChunkInvalidOff = kChunkCountsOff + kPlanChunkCountInts;      // [chunks]
+constexpr int kRankBaseOff = kChunkInvalidOff + kMaxPlanChunks;              // [E]
 constexpr int kAllocOff = kRankBaseOff + kMaxExperts;                        // [E][R]
 constexpr int kAllocCumOff = kAllocOff + kMaxExperts * kMaxRanks;            // [E][R]
 constexpr int kExpertOffOff = kAllocCumOff + kMaxExperts * kMaxRanks;        // [R][E]
@@ -50,7 +46,7 @@ static_assert(kScratchEnd <= kPlanScratchInts, "planner scratch must fit PeerAre
 
 struct Scratch {
   int32_t* chunk_counts;  // per-chunk histogram; after balancing, the chunk's exclusive base
-  int32_t* chunk_bad;     // per chunk: (bad-id count, example bad id)
+  int32_t* chunk_invalid; // per chunk: entries with ids outside [-1, E)
   int32_t* rank_base;     // [E] entries of expert e on ranks < this rank
   int32_t* alloc;         // [E][R] entries of expert e computed on rank d
   int32_t* alloc_cum;     // [E][R] inclusive prefix of alloc over d
@@ -59,7 +55,7 @@ struct Scratch {
 
 __device__ __forceinline__ Scratch scratch_of(const GroupView& g) {
   int32_t* s = own_area(g)->plan_scratch;
-  return Scratch{s + kChunkCountsOff, s + kChunkBadOff, s + kRankBaseOff,
+  return Scratch{s + kChunkCountsOff, s + kChunkInvalidOff, s + kRankBaseOff,
                  s + kAllocOff,       s + kAllocCumOff, s + kExpertOffOff};
 }
 
@@ -84,11 +80,11 @@ __device__ __forceinline__ int warp_argmax_first(int value, int* max_out) {
 __global__ void __launch_bounds__(kCountThreads)
     plan_count_kernel(const PlanParams p, int tokens_per_chunk) {
   __shared__ int hist[kMaxExperts];
-  __shared__ int bad_count, bad_example;
+  __shared__ int invalid_count;
   const int E = p.num_experts, tid = threadIdx.x, chunk = blockIdx.x;
   const Scratch s = scratch_of(p.group);
   for (int e = tid; e < E; e += blockDim.x) hist[e] = 0;
-  if (tid == 0) bad_count = bad_example = 0;
+  if (tid == 0) invalid_count = 0;
   __syncthreads();
 
   const int begin = chunk * tokens_per_chunk * p.top_k;
@@ -97,17 +93,13 @@ __global__ void __launch_bounds__(kCountThreads)
     const int id = p.topk_idx[i];
     if (id >= 0 && id < E) {
       atomicAdd(&hist[id], 1);
-    } else if (id != -1) {  // never used as an index; reported after the exchange
-      atomicAdd(&bad_count, 1);
-      atomicExch(&bad_example, id);
+    } else if (id != -1) {  // invalid: dropped like -1, never used as an index, counted
+      atomicAdd(&invalid_count, 1);
     }
   }
   __syncthreads();
   for (int e = tid; e < E; e += blockDim.x) s.chunk_counts[chunk * E + e] = hist[e];
-  if (tid == 0) {
-    s.chunk_bad[2 * chunk] = bad_count;
-    s.chunk_bad[2 * chunk + 1] = bad_example;
-  }
+  if (tid == 0) s.chunk_invalid[chunk] = invalid_count;
   // Rows nobody owns stay -1. Peers write their rows only after the exchange barrier, which
   // orders these stores before theirs.
   for (int r = chunk * blockDim.x + tid; r < p.nvs; r += gridDim.x * blockDim.x) {
@@ -118,31 +110,6 @@ __global__ void __launch_bounds__(kCountThreads)
 }
 
 // ---- kernel 2: exchange and balancing ------------------------------------------------------
-
-// Every rank sees every rank's bad-id count after the exchange, so all of them trap together
-// (no rank is left waiting in a barrier for a rank that died).
-__device__ void trap_on_bad_expert_ids(const GroupView& g, uint32_t epoch, int num_experts) {
-  const PeerArea* me = own_area(g);
-  int bad_rank = -1;
-  for (int r = g.num_ranks - 1; r >= 0; --r) {
-    if (me->counts[r][kBadIdCount] > 0) bad_rank = r;
-  }
-  if (bad_rank < 0) return;
-  const int mine = me->counts[g.rank][kBadIdCount];
-  if (mine > 0) {
-    const int example = me->counts[g.rank][kBadIdExample];
-    record_error(g, kErrBadExpertId, epoch, -1, example, "plan: expert id out of range");
-    printf("moonep: rank %d (plan epoch %u): %d entries of topk_idx have expert ids outside "
-           "[-1, %d), e.g. %d; aborting\n",
-           g.rank, epoch, mine, num_experts, example);
-  } else {
-    record_error(g, kErrPeerFailed, epoch, -1, bad_rank, "plan: a peer had bad expert ids");
-    printf("moonep: rank %d (plan epoch %u): aborting because rank %d has expert ids outside "
-           "[-1, %d)\n",
-           g.rank, epoch, bad_rank, num_experts);
-  }
-  __trap();
-}
 
 // B2 (one warp, lane d = rank d): the most overloaded rank (first on ties) fills the most
 // underloaded one (first on ties) completely; at most R-1 rounds.
@@ -290,21 +257,18 @@ __global__ void __launch_bounds__(kBalanceThreads)
   for (int i = tid; i < R * E; i += blockDim.x) {
     g.areas[i / E]->counts[g.rank][i % E] = count[i % E];
   }
-  if (tid < R) {
-    int bad = 0, example = 0;
-    for (int c = 0; c < num_chunks; ++c) {
-      if (s.chunk_bad[2 * c] > 0) example = s.chunk_bad[2 * c + 1];
-      bad += s.chunk_bad[2 * c];
-    }
-    g.areas[tid]->counts[g.rank][kBadIdCount] = bad;
-    g.areas[tid]->counts[g.rank][kBadIdExample] = example;
+  // Invalid ids are this rank's business only: dropped like -1 and counted, so the peers need
+  // not hear of them and no rank traps (Plan.num_invalid_ids, docs/CONTRACT.md).
+  if (tid == 0) {
+    int invalid = 0;
+    for (int c = 0; c < num_chunks; ++c) invalid += s.chunk_invalid[c];
+    p.num_invalid_ids[0] = invalid;
   }
   if (tid == 0) {
     publish(g, kMailboxRecvSrc, p.recv_src);
     publish(g, kMailboxRecvPrimary, p.recv_primary);
   }
   barrier(g, kBarrierExchange, epoch, "plan: expert count exchange");
-  if (tid == 0) trap_on_bad_expert_ids(g, epoch, E);
 
   // B1: global counts, this rank's base per expert, everything at home.
   if (tid < R) group_tokens[tid] = 0;

@@ -21,7 +21,7 @@ constexpr int kPlanChunkCountInts = 64 * 1024;
 struct PlanParams {
   // Sizes (per rank; DESIGN §2).
   int num_experts;    // E <= kMaxExperts
-  int top_k;          // K <= 32
+  int top_k;          // K <= kMaxTopK (kernels/constants.h)
   int num_tokens;     // S
   int num_slots;      // B
   int token_padding;  // tp
@@ -36,11 +36,12 @@ struct PlanParams {
   int32_t* experts_to_copy;  // [R, B]
   int32_t* recv_src;         // [NvS]
   int32_t* recv_primary;     // [NvS]
+  int32_t* num_invalid_ids;  // [1] entries of topk_idx with ids outside [-1, E)
 };
 
 // Enqueues the planner (four kernels, two cross-GPU barriers) on `stream`. Every rank of the
-// group must call it with the same sizes. Out-of-range expert ids (outside [-1, E)) make every
-// rank of the group trap with a message naming the rank, epoch and one bad id.
+// group must call it with the same sizes. Expert ids outside [-1, E) are dropped like -1 and
+// counted in num_invalid_ids, exactly as the xla reference does.
 cudaError_t launch_plan(const PlanParams& params, cudaStream_t stream);
 
 }  // namespace moonep

@@ -7,11 +7,10 @@
 
 #include <cstdint>
 
+#include "kernels/constants.h"
 #include "kernels/transport.cuh"
 
 namespace moonep {
-
-constexpr int32_t kDroppedEntry = INT32_MIN;  // Plan.dst of an entry with expert id -1
 
 #ifdef __CUDACC__
 
@@ -35,8 +34,8 @@ struct Destination {
 
 __device__ __forceinline__ Destination decode_destination(const GroupView& g, int op_slot,
                                                           int32_t v, int32_t nvs) {
-  if (v == kDroppedEntry) return {-1, 0, false};
-  const int32_t raw = v >= 0 ? v : -v - 1;  // v > kDroppedEntry, so -v - 1 cannot overflow
+  if (v == kDropped) return {-1, 0, false};
+  const int32_t raw = v >= 0 ? v : -v - 1;  // v > kDropped, so -v - 1 cannot overflow
   const int32_t dest = raw / nvs;
   if (dest >= g.num_ranks) {
     report_bad_plan_data(g, op_slot, v, "plan.dst names a rank outside the group");

@@ -51,9 +51,8 @@ __host__ __device__ constexpr int mailbox_slot(int op_slot, int i) {
 
 // Largest E the planner supports (sizes the counts exchange and the planner scratch).
 constexpr int kMaxExperts = 2048;
-// Counts row of one rank: E expert counts, then kCountsExtra status words (see plan.cu).
-constexpr int kCountsExtra = 4;
-constexpr int kCountsRowInts = kMaxExperts + kCountsExtra;
+// Counts row of one rank in the planner's exchange: its E expert counts.
+constexpr int kCountsRowInts = kMaxExperts;
 // Planner-private scratch (per-CTA histograms, alloc prefix sums, layouts); plan.cu asserts fit.
 constexpr int kPlanScratchInts = 160 * 1024;
 // Scratch for the other ops' kernels (grid counters and the like); local to this rank's stream.
@@ -65,8 +64,6 @@ constexpr uint64_t kDefaultTimeoutNs = 10ull * 1000 * 1000 * 1000;
 enum ErrorCode : uint32_t {
   kErrNone = 0,
   kErrTimeout = 1,         // a barrier wait expired
-  kErrBadExpertId = 2,     // an expert id outside [-1, E) reached the planner
-  kErrPeerFailed = 3,      // another rank reported an error through the counts exchange
   kErrBadPlanData = 4,     // plan data decoded out of range; the entry/row was skipped
   kErrPeerAddress = 5,     // a peer process published an address outside its mapped XLA pool
 };
@@ -81,7 +78,7 @@ struct ErrorRecord {
   int32_t rank;
   uint32_t epoch;
   int32_t slot;     // barrier slot for timeouts, -1 otherwise
-  int64_t detail;   // timeouts: arrivals seen; bad ids: the id
+  int64_t detail;   // timeouts: arrivals seen
   char what[40];
 };
 
@@ -93,7 +90,7 @@ struct alignas(128) PeerArea {
   uint32_t barrier_uses[kMaxBarrierSlots];        // how often this rank has used the slot
   uint32_t epoch[kNumOpSlots];                    // monotonic call counter per op
   ErrorRecord error;
-  alignas(16) int32_t counts[kMaxRanks][kCountsRowInts];  // [source rank][E + extra]
+  alignas(16) int32_t counts[kMaxRanks][kCountsRowInts];  // [source rank][E]
   alignas(16) int32_t plan_scratch[kPlanScratchInts];
   alignas(16) int32_t op_scratch[kOpScratchInts];
 };

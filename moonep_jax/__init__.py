@@ -3,7 +3,7 @@
 Every op runs per EP rank inside `jax.shard_map` over `EPConfig.axis_name`:
 
     plan = moonep_jax.plan(topk_idx, cfg)
-    recv_x, recv_w, plan = moonep_jax.dispatch(x, topk_w, plan, cfg)
+    recv_x, recv_w = moonep_jax.dispatch(x, topk_w, plan, cfg)
     w_slots = moonep_jax.prefetch(w_local, plan, cfg)
     y = moonep_jax.grouped_matmul(recv_x, w_local, w_slots, plan, cfg)
     out = moonep_jax.combine(y, plan, cfg)
@@ -20,6 +20,19 @@ from moonep_jax.experts import grouped_matmul, prefetch, reduce_grad
 from moonep_jax.layer import moe_ffn
 from moonep_jax.plan import plan
 from moonep_jax.plan_types import Plan
+
+# The framework modules import Flax / Equinox, which the core does not need: they load on first
+# attribute access (`moonep_jax.flax.MoE` after a plain `import moonep_jax`).
+_FRAMEWORK_MODULES = ("flax", "equinox")
+
+
+def __getattr__(name: str):
+    if name in _FRAMEWORK_MODULES:
+        import importlib
+
+        return importlib.import_module(f"moonep_jax.{name}")
+    raise AttributeError(f"module 'moonep_jax' has no attribute {name!r}")
+
 
 __all__ = [
     "DROPPED", "CudaOptions", "EPConfig", "Plan", "TransportError", "bootstrap",

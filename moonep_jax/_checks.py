@@ -85,6 +85,7 @@ def check_plan(op: str, plan, cfg: EPConfig) -> None:
         "experts_to_copy": ("[R, B]", [R, B]),
         "recv_src": ("[NvS]", [nvs]),
         "recv_primary": ("[NvS]", [nvs]),
+        "num_invalid_ids": ("[1]", [1]),
     }
     for field, (dims, shape) in expected.items():
         check_array(op, f"plan.{field}", getattr(plan, field), dims, shape, jnp.int32)
@@ -95,9 +96,13 @@ def check_ep_axis(op: str, cfg: EPConfig) -> None:
     try:
         size = lax.axis_size(cfg.axis_name)
     except NameError:
+        mesh_axes = jax.sharding.get_abstract_mesh().axis_names
+        where = (f"the mesh here has axes {mesh_axes}" if mesh_axes
+                 else "no mesh axis is bound here")
         raise ValueError(
-            f"`{op}`: the EP axis `{cfg.axis_name}` (`EPConfig.axis_name`) is not bound; call it "
-            "inside `jax.shard_map` over a mesh with that axis.") from None
+            f"`{op}`: the EP axis `{cfg.axis_name}` (`EPConfig.axis_name`) is not bound ({where}); "
+            "call it inside `jax.shard_map` over a mesh with that axis, or set "
+            "`EPConfig.axis_name` to the mesh's EP axis.") from None
     if size != cfg.num_ranks:
         raise ValueError(
             f"`{op}`: the EP axis `{cfg.axis_name}` must have size `EPConfig.num_ranks` = "

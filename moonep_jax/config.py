@@ -9,11 +9,14 @@ the argument and the rule.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Literal
 
 Implementation = Literal["auto", "cuda", "xla"]
 IMPLEMENTATIONS = ("auto", "cuda", "xla")
 
+# MAX_TOP_K and DROPPED have C++ copies in kernels/constants.h (the package must run without the
+# extension, so it cannot read them from there); tests/test_constants.py holds the two equal.
 MAX_TOP_K = 32
 
 # Sentinel written in `Plan.dst` for an entry whose expert id is -1 (dropped: no slot, no payload).
@@ -42,11 +45,13 @@ class CudaOptions:
             raise ValueError(f"`CudaOptions.timeout_s` must be > 0 seconds; got {self.timeout_s!r}.")
 
 
-def _require_int(name: str, value, lo: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _as_int(name: str, value, lo: int = 1) -> int:
+    """`value` as a Python int; any integer type (`np.int64` from array shapes too), never bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"`EPConfig.{name}` must be an int; got {type(value).__name__} {value!r}.")
     if value < lo:
         raise ValueError(f"`EPConfig.{name}` must be >= {lo}; got {value}.")
+    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +73,12 @@ class EPConfig:
       implementation: "xla" (pure JAX reference), "cuda" (XLA FFI kernels) or "auto" (cuda when the
         extension is built and the platform is a GPU, else xla).
       cuda: tuning knobs of the CUDA path (`CudaOptions`).
+      check_expert_ids: opt-in run-time check of the routing. Expert ids outside `[-1, E)` are
+        always dropped like -1 and counted in `Plan.num_invalid_ids` (the modules' `aux`); with
+        True, `moonep_jax.plan` (and so `moe_ffn`) also adds a `jax.experimental.checkify` check
+        that fails when the count is not zero. Wrap the step in `checkify.checkify` and call
+        `.throw()` on the error it returns to get a Python error naming the EP rank and the
+        count; without `checkify.checkify`, tracing it under `jax.jit` raises.
     """
 
     num_experts: int
@@ -81,11 +92,14 @@ class EPConfig:
     axis_name: str = "ep"
     implementation: Implementation = "auto"
     cuda: CudaOptions = CudaOptions()
+    check_expert_ids: bool = False
 
     def __post_init__(self):
+        # Sizes are stored as Python ints, so that equal configs hash and print alike whatever
+        # integer type they were given in.
         for name in ("num_experts", "top_k", "tokens_per_rank", "hidden", "ffn_hidden",
                      "num_ranks", "token_padding"):
-            _require_int(name, getattr(self, name))
+            object.__setattr__(self, name, _as_int(name, getattr(self, name)))
         E, R = self.num_experts, self.num_ranks
         if E % R:
             raise ValueError(
@@ -94,7 +108,8 @@ class EPConfig:
         if self.top_k > MAX_TOP_K:
             raise ValueError(f"`EPConfig.top_k` must satisfy K <= {MAX_TOP_K}; got K={self.top_k}.")
         if self.prefetch_slots is not None:
-            _require_int("prefetch_slots", self.prefetch_slots)
+            object.__setattr__(self, "prefetch_slots",
+                               _as_int("prefetch_slots", self.prefetch_slots))
             if self.prefetch_slots > self.epn:
                 raise ValueError(
                     f"`EPConfig.prefetch_slots` must satisfy 1 <= B <= epn = E/R = {self.epn}; "
@@ -105,6 +120,10 @@ class EPConfig:
             raise ValueError(
                 f"`EPConfig.implementation` must be one of {IMPLEMENTATIONS}; "
                 f"got {self.implementation!r}.")
+        if not isinstance(self.check_expert_ids, bool):
+            got = self.check_expert_ids
+            raise TypeError(f"`EPConfig.check_expert_ids` must be a bool; "
+                            f"got {type(got).__name__} {got!r}.")
         if not isinstance(self.cuda, CudaOptions):
             raise TypeError(f"`EPConfig.cuda` must be a CudaOptions; got {type(self.cuda).__name__}.")
         if self.num_ranks * self.nvs >= 2**31:

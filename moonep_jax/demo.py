@@ -48,6 +48,7 @@ class DemoConfig:
     ffn_hidden: int = 64
     shared_ffn_hidden: int = 64
     learning_rate: float = 3e-3
+    log_every: int = 10  # steps per progress line when the output is not a terminal
 
 
 def load_corpus() -> np.ndarray:
@@ -181,6 +182,27 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+class Progress:
+    """The progress line: redrawn in place with `\\r` on a terminal; elsewhere (a log file, a
+    pipe) one full line for the first step, every `every`-th step and the last, so that a log
+    reads as lines instead of one run-on line of redraws."""
+
+    def __init__(self, out, steps: int, every: int):
+        isatty = getattr(out, "isatty", None)
+        self.out, self.steps, self.every = out, steps, max(1, every)
+        self.on_terminal = bool(isatty and isatty())
+
+    def update(self, step: int, line: str) -> None:
+        if self.on_terminal:
+            print("\r" + line, end="", file=self.out, flush=True)
+        elif step == 1 or step % self.every == 0 or step == self.steps:
+            print(line, file=self.out, flush=True)
+
+    def close(self) -> None:
+        if self.on_terminal:
+            print(file=self.out)  # ends the redrawn line
+
+
 def run(cfg: DemoConfig, out=None) -> dict:
     """Trains the demo model, printing to `out` (default stdout); returns a summary dict.
 
@@ -208,6 +230,7 @@ def run(cfg: DemoConfig, out=None) -> dict:
     start = time.perf_counter()
     compile_s = 0.0
     tokens_per_s = 0.0
+    progress = Progress(out, cfg.steps, cfg.log_every)
     for step in range(1, cfg.steps + 1):
         batch = global_batch(sample_batch(corpus, rng, cfg.batch, cfg.seq_len), batch_sharding)
         params, opt_state, loss, auxes = train_step(params, rest, opt_state, batch)
@@ -220,9 +243,8 @@ def run(cfg: DemoConfig, out=None) -> dict:
             start = time.perf_counter()
         else:
             tokens_per_s = tokens_per_step * (step - 1) / (time.perf_counter() - start)
-        print("\r" + progress_line(step, cfg.steps, losses[-1], auxes, tokens_per_s), end="",
-              file=out, flush=True)
-    print(file=out)
+        progress.update(step, progress_line(step, cfg.steps, losses[-1], auxes, tokens_per_s))
+    progress.close()
 
     summary = {"steps": cfg.steps, "devices": len(devices), "platform": devices[0].platform,
                "processes": jax.process_count(),
@@ -260,8 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=DemoConfig.seed, help="init and data seed")
     parser.add_argument("--processes", type=int, default=1,
                         help="local processes of one jax.distributed job (python -m moonep_jax)")
+    parser.add_argument("--log-every", type=int, default=DemoConfig.log_every,
+                        help="steps per progress line when stdout is not a terminal")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1; got {args.steps}")
-    run(DemoConfig(steps=args.steps, seed=args.seed))
+    if args.log_every < 1:
+        parser.error(f"--log-every must be >= 1; got {args.log_every}")
+    run(DemoConfig(steps=args.steps, seed=args.seed, log_every=args.log_every))
     return 0

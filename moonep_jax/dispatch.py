@@ -21,7 +21,7 @@ _OP = "moonep_jax.dispatch"
 
 
 def dispatch(x: jax.Array, topk_w: jax.Array, plan: Plan,
-             cfg: EPConfig) -> tuple[jax.Array, jax.Array, Plan]:
+             cfg: EPConfig) -> tuple[jax.Array, jax.Array]:
     """Sends each routed entry's token row and weight to its receive row (per EP rank).
 
     Call inside `jax.shard_map` over `cfg.axis_name`.
@@ -33,10 +33,10 @@ def dispatch(x: jax.Array, topk_w: jax.Array, plan: Plan,
       cfg: the layer's `EPConfig`.
 
     Returns:
-      `(recv_x [NvS, H] x.dtype, recv_w [NvS] float32, plan)`: row `r` holds the token row and
-      route weight of the entry that owns receive row `r` of this rank (duplicates included);
-      padding rows and rows past `cu_seqlens[-1]` are zero. `plan` is returned unchanged so that a
-      cached plan can be threaded through.
+      `(recv_x [NvS, H] x.dtype, recv_w [NvS] float32)`: row `r` holds the token row and route
+      weight of the entry that owns receive row `r` of this rank (duplicates included); padding
+      rows and rows past `cu_seqlens[-1]` are zero. The plan already describes the receiver side
+      and dispatch does not change it, so it is not returned.
 
     Raises:
       TypeError / ValueError: at trace time, for wrong shapes, dtypes, `cfg` or EP axis.
@@ -49,8 +49,7 @@ def dispatch(x: jax.Array, topk_w: jax.Array, plan: Plan,
     _checks.check_plan(_OP, plan, cfg)
     _checks.check_ep_axis(_OP, cfg)
     x, topk_w = _checks.vary_together([x, topk_w], cfg.axis_name)
-    recv_x, recv_w = _dispatch(x, topk_w, plan, cfg)
-    return recv_x, recv_w, plan
+    return _dispatch(x, topk_w, plan, cfg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from moonep_jax.router import MoESpec, ScoreFn, init_params, moe_block, param_specs, update_bias
+from moonep_jax.moe_block import MoESpec, init_params, moe_block, param_specs
+from moonep_jax.router import ScoreFn, update_bias
 
 
 class MoE(eqx.Module):
@@ -35,7 +36,7 @@ class MoE(eqx.Module):
     - `prefetch_slots`, `token_padding`, `implementation`: see `moonep_jax.EPConfig`.
     - `dtype`: dtype of the parameters (default float32); compute runs in x's dtype.
 
-    **Returns** (of `__call__(x)`): `(y, aux)`, see `moonep_jax.router.moe_block`.
+    **Returns** (of `__call__(x)`): `(y, aux)`, see `moonep_jax.moe_block.moe_block`.
 
     !!! info
         `router_bias` is state, not a parameter: its gradient is always zero, and it changes only
@@ -72,7 +73,7 @@ class MoE(eqx.Module):
         self.shared_w_down = values.get("shared_w_down")
 
     def params(self) -> dict[str, jax.Array]:
-        """The arrays, keyed as `moonep_jax.router.init_params` names them."""
+        """The arrays, keyed as `moonep_jax.moe_block.init_params` names them."""
         return {name: getattr(self, name) for name in param_specs(self.spec)}
 
     def partition_specs(self) -> dict[str, PartitionSpec]:

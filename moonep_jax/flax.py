@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moonep_jax.router import MoESpec, ScoreFn, init_params, moe_block, param_specs, update_bias
+from moonep_jax.moe_block import MoESpec, init_params, moe_block, param_specs
+from moonep_jax.router import ScoreFn, update_bias
 
 
 class RouterBias(nnx.Variable):
@@ -42,7 +43,7 @@ class MoE(nnx.Module):
     - `prefetch_slots`, `token_padding`, `implementation`: see `moonep_jax.EPConfig`.
     - `param_dtype`: dtype of every variable (default float32); compute runs in x's dtype.
 
-    **Returns** (of `__call__(x)`): `(y, aux)`, see `moonep_jax.router.moe_block`.
+    **Returns** (of `__call__(x)`): `(y, aux)`, see `moonep_jax.moe_block.moe_block`.
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, *,
@@ -74,7 +75,7 @@ class MoE(nnx.Module):
         self.shared_w_down = variable(nnx.Param, "shared_w_down")
 
     def params(self) -> dict[str, jax.Array]:
-        """The current arrays, keyed as `moonep_jax.router.init_params` names them."""
+        """The current arrays, keyed as `moonep_jax.moe_block.init_params` names them."""
         return {name: getattr(self, name)[...] for name in param_specs(self.spec)}
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -40,7 +40,12 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array,
     Args:
       x: `[S, H]` floating, this rank's tokens.
       topk_idx: `[S, K] int32` routed expert ids; -1 drops an entry (zero contribution, zero
-        gradient).
+        gradient). An id outside `[-1, E)` (E, 1000, -2, ...) is invalid: it is dropped exactly
+        like -1 (the output and gradients equal those of the routing with it set to -1, in both
+        implementations, never a device trap) and counted in `moonep_jax.plan(...)`'s
+        `num_invalid_ids` (the modules' `aux["num_invalid_ids"]`). `cfg.check_expert_ids=True`
+        makes it an error: run under `jax.experimental.checkify.checkify` and `.throw()` raises,
+        naming the EP rank and the count.
       topk_w: `[S, K] float32` route weights.
       params: a mapping with `w_gate_up [epn, H, 2F]` (`[..., :F]` the gate, SiLU applied,
         `[..., F:]` the up projection) and `w_down [epn, F, H]`, both in x's dtype: this rank's
@@ -54,7 +59,11 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array,
 
     Raises:
       TypeError / ValueError: at trace time, for wrong shapes, dtypes, `params`, `cfg` or EP axis,
-        and when gradients are taken with `B < epn`.
+        and when gradients are taken with `B < epn`. Forward-mode autodiff (`jax.jvp`,
+        `jax.jacfwd`) is not supported: the layer defines reverse-mode rules only
+        (`jax.custom_vjp`); use `jax.grad`, `jax.vjp` or `jax.jacrev`.
+      checkify.JaxRuntimeError: from `.throw()` under `checkify.checkify`, with
+        `cfg.check_expert_ids`, when `topk_idx` holds invalid ids.
     """
     _checks.check_config(_OP, cfg)
     S, K, H, F, epn = cfg.tokens_per_rank, cfg.top_k, cfg.hidden, cfg.ffn_hidden, cfg.epn

@@ -16,8 +16,9 @@ Phases, each a small function below:
      `_mark_duplicates`  the lowest k per (token, destination rank) is the primary.
      `_receiver_side`    `recv_src` / `recv_primary` of this rank's rows, via one `all_to_all`.
 
-Entries whose expert id is outside `[0, E)` (by contract only -1) are dropped: they get no slot,
-are not counted, and their `dst` is `config.DROPPED`.
+Entries whose expert id is outside `[0, E)` are dropped: they get no slot, are not counted in the
+balancing, and their `dst` is `config.DROPPED`. -1 is the documented "drop this entry"; any other id
+outside `[-1, E)` is invalid, dropped the same way and counted in `Plan.num_invalid_ids`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import checkify
 
 from moonep_jax import _checks
 from moonep_jax._impl import resolved_implementation
@@ -42,7 +44,8 @@ def plan(topk_idx: jax.Array, cfg: EPConfig) -> Plan:
 
     Args:
       topk_idx: `[S, K] int32`, this rank's routed expert ids (row-major entry `i = t*K + k`).
-        Duplicate ids within a token are allowed; -1 drops the entry.
+        Duplicate ids within a token are allowed; -1 drops the entry. Ids outside `[-1, E)` are
+        invalid: dropped like -1 and counted in `Plan.num_invalid_ids`.
       cfg: the layer's `EPConfig`.
 
     Returns:
@@ -51,6 +54,9 @@ def plan(topk_idx: jax.Array, cfg: EPConfig) -> Plan:
     Raises:
       TypeError / ValueError: at trace time, for a wrong `cfg`, `topk_idx` shape or dtype, or when
         not traced inside `jax.shard_map` over an axis `cfg.axis_name` of size `cfg.num_ranks`.
+      checkify.JaxRuntimeError: with `cfg.check_expert_ids`, from `.throw()` of the error that
+        `checkify.checkify` returns, when some entry has an invalid id (the message names the EP
+        rank and the count).
     """
     _checks.check_config(_OP, cfg)
     _checks.check_array(_OP, "topk_idx", topk_idx, "[S, K]", [cfg.tokens_per_rank, cfg.top_k],
@@ -59,8 +65,26 @@ def plan(topk_idx: jax.Array, cfg: EPConfig) -> Plan:
     if resolved_implementation(cfg) == "cuda":
         from moonep_jax._cuda import plan as cuda_plan  # only importable with the extension built
 
-        return cuda_plan.plan_impl(topk_idx, cfg)
-    return _plan_xla(topk_idx, cfg)
+        result = cuda_plan.plan_impl(topk_idx, cfg)
+    else:
+        result = _plan_xla(topk_idx, cfg)
+    if cfg.check_expert_ids:
+        _check_expert_ids(result.num_invalid_ids, cfg)
+    return result
+
+
+def _check_expert_ids(num_invalid_ids: jax.Array, cfg: EPConfig) -> None:
+    """The opt-in run-time check of `EPConfig.check_expert_ids` (a `checkify` user check).
+
+    Not a host callback that raises: the raising rank would stop while its peers wait for it in
+    the next collective.
+    """
+    checkify.check(
+        num_invalid_ids[0] == 0,
+        f"`{_OP}`: `topk_idx` of EP rank {{rank}} has {{count}} expert ids outside "
+        f"[-1, E) = [-1, {cfg.num_experts}); they were dropped like -1 "
+        "(`EPConfig.check_expert_ids=True`).",
+        rank=lax.axis_index(cfg.axis_name), count=num_invalid_ids[0])
 
 
 # ---- the reference planner ----------------------------------------------------------------------
@@ -82,6 +106,7 @@ def _plan_xla(topk_idx: jax.Array, cfg: EPConfig) -> Plan:
     flat = topk_idx.reshape(n)
     valid = (flat >= 0) & (flat < cfg.num_experts)
     expert = jnp.where(valid, flat, 0)
+    num_invalid_ids = jnp.sum(~valid & (flat != -1), dtype=_I32).reshape(1)
 
     tokens_per_expert = _gather_counts(expert, valid, cfg)
     counts = tokens_per_expert.sum(axis=0)
@@ -105,6 +130,7 @@ def _plan_xla(topk_idx: jax.Array, cfg: EPConfig) -> Plan:
         experts_to_copy=layout.experts_to_copy,
         recv_src=recv_src,
         recv_primary=recv_primary,
+        num_invalid_ids=num_invalid_ids,
     )
 
 
@@ -197,8 +223,10 @@ def _split_experts(counts: jax.Array, z: jax.Array, cfg: EPConfig) -> jax.Array:
         moved = jnp.zeros_like(remaining, shape=(epn, num_ranks))
         return lax.while_loop(quota_left, serve_largest_quota, (remaining, quota, moved))[2]
 
-    moved = jax.vmap(split_home)(counts.reshape(num_ranks, epn), z).reshape(cfg.num_experts,
-                                                                             num_ranks)
+    # One loop per home, not a vmap: a vmapped while loop is one batched loop that checkify
+    # (EPConfig.check_expert_ids) cannot transform. R is small and the loops are independent.
+    per_home = counts.reshape(num_ranks, epn)
+    moved = jnp.concatenate([split_home(per_home[h], z[h]) for h in range(num_ranks)])
     home = jnp.arange(cfg.num_experts) // epn
     stays_home = counts - moved.sum(axis=1)
     return moved.at[jnp.arange(cfg.num_experts), home].add(stays_home)

@@ -19,7 +19,8 @@ class Plan:
       dst: `[N] int32`, N = S*K, entry `i = t*K + k`. `dest*NvS + row` for the entry that owns
         row `row` of rank `dest`; `-(dest*NvS + row) - 1` for a duplicate (a lower k of the same
         token already goes to `dest`: its hidden row crosses the link once, the duplicate row is
-        filled on the receiver); `config.DROPPED` for an entry with expert id -1.
+        filled on the receiver); `config.DROPPED` for a dropped entry: expert id -1, or an invalid
+        id outside `[-1, E)`.
       cu_seqlens: `[G] int32`, G = E + B: inclusive padded end offset of each group's rows. Group
         `g < E` is global expert `g` (this rank's own experts, and overflow experts in inference),
         group `E + b` is replica slot `b`. Empty groups repeat the previous value.
@@ -32,6 +33,10 @@ class Plan:
       recv_primary: `[NvS] int32`: for each receive row, the row of this rank holding the primary
         (lowest k) entry of the same `(src_rank, token)`: the row itself for a primary, another
         row for a duplicate; -1 where `recv_src` is -1.
+      num_invalid_ids: `[1] int32`: how many of this rank's `topk_idx` entries have an expert id
+        outside `[-1, E)` (E, 1000, -2, ...). Such an entry is a caller bug; it is dropped exactly
+        like -1 (so every other field equals the plan of the same routing with those ids set to
+        -1) and counted here, so that it is never silent (`EPConfig.check_expert_ids` raises).
     """
 
     dst: jax.Array
@@ -40,3 +45,4 @@ class Plan:
     experts_to_copy: jax.Array
     recv_src: jax.Array
     recv_primary: jax.Array
+    num_invalid_ids: jax.Array

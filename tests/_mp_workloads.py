@@ -116,7 +116,7 @@ def _compiled(impl: str, backend: str, sizes: Sizes, grads: bool, timeout_s: flo
 
     def ops(topk_idx, x, topk_w, w_gate_up, w_down, d_out):
         p = moonep_jax.plan(topk_idx, cfg)
-        recv_x, recv_w, p = moonep_jax.dispatch(x, topk_w, p, cfg)
+        recv_x, recv_w = moonep_jax.dispatch(x, topk_w, p, cfg)
         y = (recv_x.astype(jnp.float32) * recv_w[:, None]).astype(x.dtype)
         out = moonep_jax.combine(y, p, cfg)
         slots = moonep_jax.prefetch(w_gate_up, p, cfg)
@@ -185,7 +185,7 @@ def _comm_loop_fn(impl: str, backend: str, sizes: Sizes, timeout_s: float):
 
     def ops(topk_idx, x, topk_w, w_gate_up):
         p = moonep_jax.plan(topk_idx, cfg)
-        recv_x, _, p = moonep_jax.dispatch(x, topk_w, p, cfg)
+        recv_x, _ = moonep_jax.dispatch(x, topk_w, p, cfg)
         slots = moonep_jax.prefetch(w_gate_up, p, cfg)
         return _stack(dict(dst=p.dst, combine=moonep_jax.combine(recv_x, p, cfg),
                            slot_sum=jnp.sum(slots.astype(jnp.float32), axis=(1, 2))))

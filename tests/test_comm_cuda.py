@@ -99,7 +99,7 @@ def test_dispatch_rows_and_weights_bitwise_equal_to_xla(mesh, seed, maxvio, dtyp
 
     def per_rank(topk_idx, x, topk_w):
         p = plan(topk_idx, cfgs["xla"])
-        out = {impl: dispatch(x, topk_w, p, cfg)[:2] for impl, cfg in cfgs.items()}
+        out = {impl: dispatch(x, topk_w, p, cfg) for impl, cfg in cfgs.items()}
         return _stack((out, p.recv_src))
 
     _poison_allocator(mesh, 4 * cfgs["xla"].nvs * H)
@@ -215,7 +215,7 @@ def test_combine_within_one_and_a_half_bf16_ulp_of_fp32(mesh, seed, maxvio):
 
     def per_rank(topk_idx, x):
         p = plan(topk_idx, dataclasses.replace(cfg, implementation="xla"))
-        recv_x, _, _ = dispatch(x, jnp.ones((S, K), jnp.float32), p, cfg)
+        recv_x, _ = dispatch(x, jnp.ones((S, K), jnp.float32), p, cfg)
         y = (recv_x.astype(jnp.float32) * row_scale[:, None]).astype(jnp.bfloat16)  # same signs
         return _stack((combine(y, p, cfg), y, p.dst))
 
@@ -357,7 +357,7 @@ def test_reduce_grad_into_bf16_from_partials_bitwise_equal_to_xla(mesh, seed, ma
 def _layer(x, topk_w, topk_idx, cfg, plan_cfg):
     """dispatch -> scale rows by their weights -> combine, as moe_ffn does around the experts."""
     p = plan(topk_idx, plan_cfg)
-    recv_x, recv_w, _ = dispatch(x, topk_w, p, cfg)
+    recv_x, recv_w = dispatch(x, topk_w, p, cfg)
     y = (recv_x.astype(jnp.float32) * recv_w[:, None]).astype(x.dtype)
     return combine(y, p, cfg)
 

@@ -41,17 +41,17 @@ def test_sample_batch_windows_are_corpus_slices(seed):
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_demo_trains_and_every_rank_receives_the_same_slots(seed, standard_promotion):
-    out = io.StringIO()
-    summary = demo.run(demo.DemoConfig(steps=20, seed=seed % 1000), out=out)
+    out = io.StringIO()  # not a terminal: one progress line per `log_every` steps, no \r
+    summary = demo.run(demo.DemoConfig(steps=20, seed=seed % 1000, log_every=8), out=out)
     text = out.getvalue()
 
-    progress_line, *summary_lines = text.split("\n")
-    redraws = progress_line.split("\r")  # one terminal line, redrawn with \r after every step
-    assert redraws[0] == "" and len(redraws) == 21
-    assert redraws[-1].startswith("step 20/20  loss ")
+    assert "\r" not in text
+    lines = text.split("\n")
+    progress, summary_lines = lines[:4], lines[4:]
+    assert [line.split()[1] for line in progress] == ["1/20", "8/20", "16/20", "20/20"]
     # 16 sequences x 64 bytes over 8 ranks = 128 tokens per rank, top-2: 256 slots everywhere.
-    assert all("recv/rank [256 256 256 256 256 256 256 256]" in line for line in redraws[1:])
-    assert redraws[-1].endswith(" tok/s")
+    assert all("recv/rank [256 256 256 256 256 256 256 256]" in line for line in progress)
+    assert progress[0].endswith("(first step: compiled)") and progress[-1].endswith(" tok/s")
     assert ("  every rank received exactly 256 slots (S*K) in every layer and step"
             in summary_lines)
     assert summary["slots_per_rank"] == [256] and summary["devices"] == 8
@@ -61,10 +61,34 @@ def test_demo_trains_and_every_rank_receives_the_same_slots(seed, standard_promo
     assert np.mean(losses[-5:]) < 0.75 * losses[0], losses
 
 
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_redraws_one_line_on_a_terminal_and_prints_lines_elsewhere(seed):
+    steps = 5 + seed % 20
+    every = 1 + seed % 4
+    lines = [f"step {s}/{steps} of the run" for s in range(1, steps + 1)]
+    for out in (_Terminal(), io.StringIO()):
+        progress = demo.Progress(out, steps, every)
+        for step, line in enumerate(lines, 1):
+            progress.update(step, line)
+        progress.close()
+        if out.isatty():
+            assert out.getvalue() == "".join("\r" + line for line in lines) + "\n"
+        else:
+            shown = [s for s in range(1, steps + 1) if s == 1 or s % every == 0 or s == steps]
+            assert out.getvalue() == "".join(lines[s - 1] + "\n" for s in shown)
+
+
 def test_demo_rejects_nonpositive_steps(capsys):
     with pytest.raises(SystemExit):
         demo.main(["--steps", "0"])
     assert "--steps must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.main(["--log-every", "0"])
+    assert "--log-every must be >= 1" in capsys.readouterr().err
 
 
 def test_scaled_config_rounds_batch_and_experts_to_devices():
@@ -132,6 +156,9 @@ def test_cli_demo_simulates_eight_cpu_devices():
     assert done.returncode == 0, done.stderr
     assert "for 2 steps on 8 cpu devices (EP=8)" in done.stdout
     assert "every rank received exactly 256 slots" in done.stdout
+    # stdout is a pipe, not a terminal: whole progress lines, no \r redraws.
+    assert "\r" not in done.stdout
+    assert [line.split()[1] for line in done.stdout.splitlines()[:2]] == ["1/2", "2/2"]
 
 
 @pytest.mark.slow

@@ -79,7 +79,8 @@ def test_dispatch_moves_every_entry_to_its_row_and_zeroes_the_rest(mesh_factory,
     topk_w = (np.arange(R * S * K, dtype=np.float32) + 1).reshape(R, S, K)
 
     def per_rank(x, topk_w, topk_idx):
-        recv_x, recv_w, p = dispatch(x, topk_w, plan(topk_idx, cfg), cfg)
+        p = plan(topk_idx, cfg)
+        recv_x, recv_w = dispatch(x, topk_w, p, cfg)
         return recv_x, recv_w, p.dst
 
     recv_x, recv_w, dst = run_per_rank(per_rank, mesh_factory(R), flat_tokens(x, cfg),
@@ -110,7 +111,8 @@ def test_combine_of_dispatch_sums_each_tokens_valid_entries(mesh_factory, seed, 
     topk_w = np.zeros((R * cfg.tokens_per_rank, cfg.top_k), np.float32)
 
     def per_rank(x, topk_w, topk_idx):
-        recv_x, _, p = dispatch(x, topk_w, plan(topk_idx, cfg), cfg)
+        p = plan(topk_idx, cfg)
+        recv_x, _ = dispatch(x, topk_w, p, cfg)
         return combine(recv_x, p, cfg)
 
     out = run_per_rank(per_rank, mesh_factory(R), x, topk_w, flat_tokens(topk_idx, cfg))
@@ -170,7 +172,7 @@ def test_dispatch_vjp_is_combine_plus_weight_gather(mesh_factory, seed, R):
 
     def per_rank(x, topk_w, topk_idx, d_recv_x, d_recv_w):
         p = plan(topk_idx, cfg)
-        _, vjp = jax.vjp(lambda x, w: dispatch(x, w, p, cfg)[:2], x, topk_w)
+        _, vjp = jax.vjp(lambda x, w: dispatch(x, w, p, cfg), x, topk_w)
         d_x, d_w = vjp((d_recv_x, d_recv_w))
         return d_x, d_w, p.dst
 
@@ -282,7 +284,7 @@ def hand_plan(cfg):
     i32 = functools.partial(np.zeros, dtype=np.int32)
     return moonep_jax.Plan(dst=i32(N), cu_seqlens=i32(G), zero_fill=i32((G, 2)),
                            experts_to_copy=i32((cfg.num_ranks, cfg.num_slots)),
-                           recv_src=i32(nvs), recv_primary=i32(nvs))
+                           recv_src=i32(nvs), recv_primary=i32(nvs), num_invalid_ids=i32(1))
 
 
 def test_ops_outside_shard_map_name_the_missing_axis():

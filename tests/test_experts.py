@@ -56,7 +56,8 @@ def rank_plan(cu_seqlens, experts_to_copy, cfg):
         cu_seqlens = zeros(cfg.num_groups)
     return moonep_jax.Plan(dst=zeros(cfg.num_entries), cu_seqlens=cu_seqlens,
                            zero_fill=zeros(cfg.num_groups, 2), experts_to_copy=experts_to_copy,
-                           recv_src=zeros(cfg.nvs), recv_primary=zeros(cfg.nvs))
+                           recv_src=zeros(cfg.nvs), recv_primary=zeros(cfg.nvs),
+                           num_invalid_ids=zeros(1))
 
 
 def run_per_rank(fn, mesh, *global_args):

@@ -7,6 +7,8 @@ shardings and the aux-loss-free bias against their documented behaviour.
 
 from __future__ import annotations
 
+import time
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import moonep_jax
 import moonep_jax.equinox as meqx
 import moonep_jax.flax as mflax
-from moonep_jax import router
+from moonep_jax import moe_block, router
 from moonep_jax.layer import moe_ffn
 
 H, F, FS, E, K = 16, 8, 12, 16, 2
@@ -76,7 +78,7 @@ def functional_path(x, params, mesh, data_axes, options):
     """`moe_ffn` called directly per shard with the router's routing, plus the shared expert."""
     token_axes = (*data_axes, "ep")
     shards = int(np.prod([mesh.shape[a] for a in token_axes]))
-    cfg = router.MoESpec(num_experts=E, top_k=K, hidden=H, ffn_hidden=F, mesh=mesh,
+    cfg = moe_block.MoESpec(num_experts=E, top_k=K, hidden=H, ffn_hidden=F, mesh=mesh,
                          data_axes=data_axes, implementation="xla",
                          **options).ep_config(x.shape[0])
     assert cfg.tokens_per_rank * shards == x.shape[0]
@@ -92,8 +94,8 @@ def functional_path(x, params, mesh, data_axes, options):
             y = y + (jax.nn.silu(h[:, :FS]) * h[:, FS:]) @ p["shared_w_down"]
         return y, topk_idx
 
-    specs = {name: spec for name, spec in router.param_specs(
-        router.MoESpec(num_experts=E, top_k=K, hidden=H, ffn_hidden=F, mesh=mesh,
+    specs = {name: spec for name, spec in moe_block.param_specs(
+        moe_block.MoESpec(num_experts=E, top_k=K, hidden=H, ffn_hidden=F, mesh=mesh,
                        **options)).items() if name in params}
     return jax.jit(jax.shard_map(
         per_shard, mesh=mesh, in_specs=(P(token_axes, None), specs),
@@ -198,7 +200,7 @@ def test_flax_trains_with_optax_and_keeps_declared_shardings(seed):
     mesh, _ = make_mesh("ep8-explicit")
     moe = mflax.MoE(H, F, E, K, mesh=mesh, rngs=nnx.Rngs(seed), implementation="xla",
                     shared_ffn_hidden=FS, router_bias=True)
-    declared = router.param_specs(moe.spec)
+    declared = moe_block.param_specs(moe.spec)
     graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
     # Declared (metadata) and actual placement agree.
     metadata_specs = {k: v.get_value() for k, v in nnx.get_partition_spec(params).items()}
@@ -362,5 +364,55 @@ def test_flax_module_cuda_matches_xla_forward_and_grads(seed):
     close(dx_cuda, dx_xla)
     for name in ("router_w", "w_gate_up", "w_down", "shared_w_gate_up", "shared_w_down"):
         close(dp_cuda[name].get_value(), dp_xla[name].get_value())
-        declared = router.param_specs(moes["cuda"].spec)[name]
+        declared = moe_block.param_specs(moes["cuda"].spec)[name]
         assert dp_cuda[name].get_value().sharding.spec == declared
+
+
+# ---- eager calls ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_eager_calls_reuse_one_compiled_block_and_equal_jit(framework, seed):
+    """An un-jitted `moe(x)` compiles the shard_mapped block once per configuration: the second
+    eager call is fast (a generous bound: it was 35-70 s when every call ran the block op by op)
+    and gives what the jitted call gives."""
+    mesh, data_axes = make_mesh("ep8-explicit")
+    moe = build(framework, mesh, seed)
+    x = tokens(seed, mesh, data_axes, 64)
+    y_jit, aux_jit = jax.jit(lambda x: moe(x))(x)
+    jax.block_until_ready(moe(x))  # first eager call: compiles the block
+    start = time.perf_counter()
+    y, aux = jax.block_until_ready(moe(x))
+    seconds = time.perf_counter() - start
+    assert seconds < 2.0, f"second eager call took {seconds:.1f} s"
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_jit))
+    for name in aux_jit:
+        np.testing.assert_array_equal(np.asarray(aux[name]), np.asarray(aux_jit[name]))
+
+
+# ---- what a new user meets: default meshes, unplaced inputs, forward-mode autodiff ---------------
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_unsharded_tokens_on_a_default_make_mesh_are_placed(framework, seed):
+    """`jax.make_mesh` gives Explicit axes; an unsharded host `x` is resharded, not refused."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    mesh = jax.make_mesh((8,), ("ep",), devices=jax.devices()[:8])
+    assert mesh.axis_types == (AxisType.Explicit,)
+    moe = build(framework, mesh, seed)
+    x = tokens(seed, mesh, (), 64)
+    y_placed, aux_placed = jax.jit(lambda x: moe(x))(x)
+    y, aux = moe(np.asarray(x))  # a NumPy array: no sharding at all
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_placed))
+    for name in aux_placed:
+        np.testing.assert_array_equal(np.asarray(aux[name]), np.asarray(aux_placed[name]))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_forward_mode_autodiff_names_what_is_supported(framework, seed):
+    mesh, data_axes = make_mesh("ep8-explicit")
+    moe = build(framework, mesh, seed)
+    x = tokens(seed, mesh, data_axes, 64)
+    with pytest.raises(TypeError, match=r"forward-mode autodiff .* is not supported.*jax\.grad"):
+        jax.jvp(lambda x: moe(x)[0], (x,), (x,))

@@ -21,7 +21,8 @@ from moonep_jax.plan import plan
 
 from _routings import SHAPES, Shape, make_routing, routing_cases
 
-PLAN_FIELDS = ("dst", "cu_seqlens", "zero_fill", "experts_to_copy", "recv_src", "recv_primary")
+PLAN_FIELDS = ("dst", "cu_seqlens", "zero_fill", "experts_to_copy", "recv_src", "recv_primary",
+               "num_invalid_ids")
 
 
 # ---- running the planner on R simulated devices -------------------------------------------------
@@ -139,9 +140,10 @@ def oracle_plan(topk_idx: np.ndarray, cfg: moonep_jax.EPConfig) -> dict[str, np.
                 recv_src[dest, row] = r * N + i
                 recv_primary[dest, row] = primary_row_on[dest]
 
+    num_invalid_ids = np.array([[sum(1 for e in flat[r] if not -1 <= e < E)] for r in range(R)])
     return dict(dst=dst, cu_seqlens=cu_seqlens, zero_fill=zero_fill,
                 experts_to_copy=np.broadcast_to(experts_to_copy, (R, R, B)),
-                recv_src=recv_src, recv_primary=recv_primary)
+                recv_src=recv_src, recv_primary=recv_primary, num_invalid_ids=num_invalid_ids)
 
 
 def assert_equals_oracle(plans, topk_idx, cfg):
@@ -404,6 +406,16 @@ def test_dropped_entries_shrink_caps(mesh_factory, seed):
     assert_equals_oracle(plans, topk_idx, cfg)
 
 
+def with_invalid_ids(topk_idx: np.ndarray, E: int, rng: np.random.Generator, fraction: float):
+    """A copy of `topk_idx` with about `fraction` of its entries set to ids outside `[-1, E)`
+    (E itself, far above, just below -1, INT32 extremes), and the mask of those entries."""
+    invalid = rng.random(topk_idx.shape) < fraction
+    choices = np.array([E, E + 1, 1000, 2**31 - 1, -2, -7, -(2**31)], np.int64)
+    bad = topk_idx.copy()
+    bad[invalid] = rng.choice(choices, size=int(invalid.sum())).astype(np.int32)
+    return bad, invalid
+
+
 def test_out_of_range_ids_are_dropped(mesh_factory, seed):
     shape = SHAPES[1]  # R=2, S=8, K=3, E=6, B=1
     cfg = shape.config()
@@ -412,10 +424,34 @@ def test_out_of_range_ids_are_dropped(mesh_factory, seed):
     bad[0, 1, 0], bad[1, 3, 1] = 6, -7
     plans = run_planner(bad, cfg, mesh_factory(2))
     assert plans["dst"][0, 3] == DROPPED and plans["dst"][1, 10] == DROPPED
+    assert plans["num_invalid_ids"].tolist() == [[1], [1]]
     dropped = topk_idx.copy()
     dropped[0, 1, 0], dropped[1, 3, 1] = -1, -1
     for name, value in run_planner(dropped, cfg, mesh_factory(2)).items():
-        assert np.array_equal(plans[name], value), name
+        if name != "num_invalid_ids":
+            assert np.array_equal(plans[name], value), name
+
+
+@pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[7]], ids=str)
+@pytest.mark.parametrize("pattern", ["lognormal", "one_hot_expert"])
+def test_invalid_ids_are_dropped_like_minus_one_and_counted(mesh_factory, seed, shape, pattern):
+    """Random invalid ids in a skewed routing (with -1 entries too): the count per rank is exact
+    and every other field equals the plan of the same routing with those ids set to -1."""
+    rng = np.random.default_rng(seed)
+    cfg = shape.config()
+    topk_idx = make_routing(shape, pattern, rng)
+    topk_idx[rng.random(topk_idx.shape) < 0.1] = -1
+    bad, invalid = with_invalid_ids(topk_idx, shape.E, rng, 0.15)
+    assert invalid.any()
+    plans = run_planner(bad, cfg, mesh_factory(shape.R))
+    assert plans["num_invalid_ids"][:, 0].tolist() == invalid.reshape(shape.R, -1).sum(1).tolist()
+    as_dropped = np.where(invalid, -1, bad)
+    reference = run_planner(as_dropped, cfg, mesh_factory(shape.R))
+    assert not reference["num_invalid_ids"].any()
+    for name in PLAN_FIELDS:
+        if name != "num_invalid_ids":
+            assert np.array_equal(plans[name], reference[name]), name
+    assert_equals_oracle(plans, bad, cfg)
 
 
 def test_single_rank(mesh_factory, seed):
@@ -478,13 +514,14 @@ def test_wrong_topk_dtype_is_rejected(mesh_factory):
 
 def test_missing_ep_axis_is_rejected():
     cfg = Shape(R=2, S=8, K=2, E=4).config()
-    with pytest.raises(ValueError, match="EP axis `ep`.*not bound"):
+    with pytest.raises(ValueError, match=r"EP axis `ep`.*not bound \(no mesh axis is bound here\)"):
         plan(np.zeros((8, 2), np.int32), cfg)
 
 
 def test_wrongly_named_axis_is_rejected(mesh_factory):
     cfg = Shape(R=2, S=8, K=2, E=4).config(axis_name="experts")
-    with pytest.raises(ValueError, match="EP axis `experts`.*not bound"):
+    with pytest.raises(ValueError, match=r"EP axis `experts`.*not bound \(the mesh here has "
+                                         r"axes \('ep',\)\)"):
         _trace_plan(mesh_factory(2), cfg, jax.ShapeDtypeStruct((16, 2), np.int32))
 
 

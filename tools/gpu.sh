@@ -21,13 +21,38 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+# The GPU machine's Python: the extension is built for it (its ABI tag), whatever runs here.
+GPU_PYTHON_VERSION=3.12
+
 build() {
   set -e
   local py=${PYTHON:-}
   if [ -z "$py" ]; then py=$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 ); fi
-  cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$py")" \
-    -Dpybind11_DIR="$("$py" -m pybind11 --cmakedir)"
-  cmake --build build/gpu
+  local version; version=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  if [ "$version" != "$GPU_PYTHON_VERSION" ]; then
+    echo "tools/gpu.sh build: the GPU machine runs Python $GPU_PYTHON_VERSION, so the extension" \
+      "must be built with Python $GPU_PYTHON_VERSION; $py is Python $version. Recreate .venv" \
+      "with it (rm -rf .venv && bash tools/setup.sh picks 3.12) or set PYTHON=python3.12." >&2
+    return 1
+  fi
+  # The cmake and ninja that tools/setup.sh installs into the venv, next to its python: a system
+  # cmake may be older than CMakeLists.txt's minimum.
+  # Absolute paths: cmake runs its checks in other directories.
+  local bin; bin=$(cd "$(dirname "$(command -v "$py")")" && pwd)
+  local python=$bin/$(basename "$(command -v "$py")") cmake=$bin/cmake ninja=$bin/ninja
+  [ -x "$cmake" ] || cmake=$(command -v cmake)
+  [ -x "$ninja" ] || ninja=$(command -v ninja)
+  local need have
+  need=$(sed -n 's/^cmake_minimum_required(VERSION \([0-9.]*\)).*/\1/p' CMakeLists.txt)
+  have=$("$cmake" --version | head -1 | awk '{print $3}')
+  if [ "$(printf '%s\n%s\n' "$need" "$have" | sort -V | head -1)" != "$need" ]; then
+    echo "tools/gpu.sh build: $cmake is cmake $have; CMakeLists.txt needs >= $need" \
+      "(bash tools/setup.sh installs one into .venv)." >&2
+    return 1
+  fi
+  "$cmake" -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_MAKE_PROGRAM="$ninja" \
+    -DPython_EXECUTABLE="$python" -Dpybind11_DIR="$("$python" -m pybind11 --cmakedir)"
+  "$cmake" --build build/gpu
   rm -rf .gpu && mkdir -p .gpu
   cp build/gpu/_moonep_jax_cuda*.so .gpu/
   # The device machine gets no git history: record which commit (and whether the tree was dirty)

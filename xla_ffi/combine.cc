@@ -5,11 +5,13 @@
 #include <string>
 
 #include "kernels/combine.h"
+#include "kernels/constants.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/shape_checks.h"
 #include "xla_ffi/transport.h"
 
 namespace ffi = xla::ffi;
+using moonep::kMaxTopK;
 using moonep::shape_error;
 
 namespace {
@@ -31,8 +33,10 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, ffi::AnyB
   } else {
     return ffi::Error::InvalidArgument(std::string(kOp) + ": `y` must be bfloat16 or float32.");
   }
-  if (top_k < 1 || top_k > 32 || dst.element_count() % top_k != 0)
-    return shape_error(kOp, "dst", "[S * K] with 1 <= K = " + std::to_string(top_k) + " <= 32",
+  if (top_k < 1 || top_k > kMaxTopK || dst.element_count() % top_k != 0)
+    return shape_error(kOp, "dst",
+                       "[S * K] with 1 <= K = " + std::to_string(top_k) +
+                           " <= " + std::to_string(kMaxTopK),
                        dst.dimensions());
   const int64_t S = dst.element_count() / top_k;
   const auto out_dims = out->dimensions();

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "kernels/constants.h"
 #include "kernels/dispatch.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/shape_checks.h"
@@ -11,6 +12,7 @@
 
 namespace ffi = xla::ffi;
 using moonep::dims_str;
+using moonep::kMaxTopK;
 using moonep::shape_error;
 
 namespace {
@@ -28,8 +30,10 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, ffi::Any
   if (x_dims.size() != 2) return shape_error(kOp, "x", "[S, H]", x_dims);
   const int64_t S = x_dims[0], H = x_dims[1];
   const auto w_dims = topk_w.dimensions();
-  if (w_dims.size() != 2 || w_dims[0] != S || w_dims[1] < 1 || w_dims[1] > 32)
-    return shape_error(kOp, "topk_w", "[S, K] with S = " + std::to_string(S) + ", 1 <= K <= 32",
+  if (w_dims.size() != 2 || w_dims[0] != S || w_dims[1] < 1 || w_dims[1] > kMaxTopK)
+    return shape_error(kOp, "topk_w",
+                       "[S, K] with S = " + std::to_string(S) +
+                           ", 1 <= K <= " + std::to_string(kMaxTopK),
                        w_dims);
   const int64_t K = w_dims[1];
   if (dst.element_count() != S * K)

@@ -5,6 +5,7 @@
 
 #include <type_traits>
 
+#include "kernels/constants.h"
 #include "kernels/grouped_gemm.h"
 #include "xla_ffi/handlers.h"
 #include "xla_ffi/transport.h"
@@ -36,5 +37,15 @@ PYBIND11_MODULE(_moonep_jax_cuda, m) {
   m.def("gmm_table_rows", &moonep::gmm_table_rows, py::arg("num_rows"), py::arg("num_groups"),
         py::arg("overflow"), "Rows of the grouped GEMM's [rows, 4] int32 tile-table scratch.");
   m.attr("GMM_TILE_M") = moonep::kGmmTileM;
+  // kernels/constants.h, for tests/test_constants.py to hold the Python copies to.
+  m.attr("MAX_TOP_K") = moonep::kMaxTopK;
+  m.attr("DROPPED") = moonep::kDropped;
+  py::dict table_kinds;
+  table_kinds["KIND_LOCAL"] = moonep::kKindLocal;
+  table_kinds["KIND_SLOT"] = moonep::kKindSlot;
+  table_kinds["KIND_ZERO"] = moonep::kKindZero;
+  table_kinds["KIND_UNUSED"] = moonep::kKindUnused;
+  table_kinds["TABLE_COLUMNS"] = moonep::kTableColumns;
+  m.attr("GMM_TABLE_CONSTANTS") = table_kinds;
   moonep::register_transport_bindings(m);
 }

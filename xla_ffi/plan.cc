@@ -7,14 +7,13 @@
 #include <initializer_list>
 #include <string>
 
+#include "kernels/constants.h"
 #include "kernels/plan.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/transport.h"
 
 namespace moonep {
 namespace {
-
-constexpr int kMaxTopK = 32;  // config.MAX_TOP_K
 
 std::string dims_str(ffi::Span<const int64_t> dims) {
   std::string s = "[";
@@ -53,7 +52,8 @@ ffi::Error check_sizes(int64_t E, int64_t K, int64_t S, int64_t R, int64_t B, in
                "E=" + std::to_string(E) + ", R=" + std::to_string(R));
   }
   if (K < 1 || K > kMaxTopK || S < 1) {
-    return bad("K must be in [1, 32] and S >= 1", "K=" + std::to_string(K) + ", S=" + std::to_string(S));
+    return bad("K must be in [1, " + std::to_string(kMaxTopK) + "] and S >= 1",
+               "K=" + std::to_string(K) + ", S=" + std::to_string(S));
   }
   if (B < 1 || B > E / R || tp < 1) {
     return bad("B must be in [1, E/R] and tp >= 1", "B=" + std::to_string(B) + ", tp=" + std::to_string(tp));
@@ -69,6 +69,7 @@ ffi::Error PlanExecute(cudaStream_t stream, int32_t device_ordinal,
                        ffi::ResultBuffer<ffi::S32> cu_seqlens, ffi::ResultBuffer<ffi::S32> zero_fill,
                        ffi::ResultBuffer<ffi::S32> experts_to_copy,
                        ffi::ResultBuffer<ffi::S32> recv_src, ffi::ResultBuffer<ffi::S32> recv_primary,
+                       ffi::ResultBuffer<ffi::S32> num_invalid_ids,
                        int64_t E, int64_t K, int64_t S, int64_t R, int64_t B, int64_t tp, int64_t nvs,
                        ffi::Span<const int32_t> mesh_devices, int64_t timeout_ns) {
   if (auto err = check_sizes(E, K, S, R, B, tp, nvs); err.failure()) return err;
@@ -79,7 +80,8 @@ ffi::Error PlanExecute(cudaStream_t stream, int32_t device_ordinal,
                    check_shape("zero_fill", zero_fill->dimensions(), {G, 2}),
                    check_shape("experts_to_copy", experts_to_copy->dimensions(), {R, B}),
                    check_shape("recv_src", recv_src->dimensions(), {nvs}),
-                   check_shape("recv_primary", recv_primary->dimensions(), {nvs})}) {
+                   check_shape("recv_primary", recv_primary->dimensions(), {nvs}),
+                   check_shape("num_invalid_ids", num_invalid_ids->dimensions(), {1})}) {
     if (err.failure()) return err;
   }
   auto view = group_view(device_ordinal, mesh_devices, static_cast<int32_t>(R), timeout_ns);
@@ -100,6 +102,7 @@ ffi::Error PlanExecute(cudaStream_t stream, int32_t device_ordinal,
   params.experts_to_copy = experts_to_copy->typed_data();
   params.recv_src = recv_src->typed_data();
   params.recv_primary = recv_primary->typed_data();
+  params.num_invalid_ids = num_invalid_ids->typed_data();
   MOONEP_CUDA_RETURN_IF_ERROR("moonep_plan", launch_plan(params, stream));
   return ffi::Error::Success();
 }
@@ -118,6 +121,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepPlan, moonep::PlanExecute,
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // experts_to_copy [R, B]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src [NvS]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_primary [NvS]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // num_invalid_ids [1]
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("top_k")
                                   .Attr<int64_t>("tokens_per_rank")

@@ -218,8 +218,6 @@ std::string not_bootstrapped(const std::string& what) {
 const char* error_code_name(uint32_t code) {
   switch (code) {
     case kErrTimeout: return "timeout";
-    case kErrBadExpertId: return "bad expert id";
-    case kErrPeerFailed: return "peer failed";
     case kErrBadPlanData: return "bad plan data";
     case kErrPeerAddress: return "peer address outside its pool";
     default: return "unknown";

@@ -54,7 +54,8 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 TILE_M, TILE_N, TILE_K = 256, 128, 64
 ATOM_M = 64  # rows of one WGMMA; the two consumer warp groups own alternate ATOM_M-row blocks
-# Tile table columns and kinds (kernels/grouped_gemm.h mirrors them).
+# Tile table columns and kinds (the C++ copies are in kernels/constants.h; tests/test_constants.py
+# holds the two equal).
 KIND_LOCAL, KIND_SLOT, KIND_ZERO, KIND_UNUSED = 0, 1, 2, 3
 TABLE_COLUMNS = 4
 # Stacked weights: the mode along which matrix `mat` is offset (fwd: K, dX: N).

@@ -6,8 +6,8 @@ every rank, and write each entry's receive-side record straight into the destina
 `recv_src` / `recv_primary` result buffers. The plan is bit-identical to the xla reference
 (`moonep_jax.plan._plan_xla`).
 
-Expert ids outside `[-1, E)` at run time make every rank of the group trap with a message naming
-the rank, the call's epoch and one bad id (the xla reference drops them instead).
+Expert ids outside `[-1, E)` are dropped like -1 and counted in `Plan.num_invalid_ids`, as in the
+xla reference.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def plan_impl(topk_idx: jax.Array, cfg: EPConfig) -> Plan:
     G, R, B, nvs = cfg.num_groups, cfg.num_ranks, cfg.num_slots, cfg.nvs
     call = jax.ffi.ffi_call(
         "moonep_plan",
-        (result(cfg.num_entries), result(G), result(G, 2), result(R, B), result(nvs), result(nvs)))
-    dst, cu_seqlens, zero_fill, experts_to_copy, recv_src, recv_primary = call(
+        (result(cfg.num_entries), result(G), result(G, 2), result(R, B), result(nvs), result(nvs),
+         result(1)))
+    dst, cu_seqlens, zero_fill, experts_to_copy, recv_src, recv_primary, num_invalid_ids = call(
         topk_idx,
         num_experts=np.int64(cfg.num_experts),
         top_k=np.int64(cfg.top_k),
@@ -52,7 +53,8 @@ def plan_impl(topk_idx: jax.Array, cfg: EPConfig) -> Plan:
         timeout_ns=np.int64(round(cfg.cuda.timeout_s * 1e9)),
     )
     return Plan(dst=dst, cu_seqlens=cu_seqlens, zero_fill=zero_fill,
-                experts_to_copy=experts_to_copy, recv_src=recv_src, recv_primary=recv_primary)
+                experts_to_copy=experts_to_copy, recv_src=recv_src, recv_primary=recv_primary,
+                num_invalid_ids=num_invalid_ids)
 
 
 def _check_supported(cfg: EPConfig) -> None:

@@ -1,0 +1,27 @@
+// Constants that the C++ side shares with Python, in one place for every kernel and handler.
+//
+// Python keeps its own copies where it must run without the extension (moonep_jax/config.py:
+// MAX_TOP_K, DROPPED) or at build time (kernels/cutedsl/grouped_gemm.py: KIND_*, TABLE_COLUMNS).
+// The extension exports these values (xla_ffi/module.cc) and tests/test_constants.py requires the
+// Python copies to equal them, so the two languages cannot drift apart silently.
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+namespace moonep {
+
+// Largest top-k (EPConfig.top_k): per-token loops and masks assume K fits one warp.
+constexpr int kMaxTopK = 32;
+
+// Plan.dst of a dropped entry (expert id -1, or invalid). Duplicates are -(dest*NvS + row) - 1 >
+// kDropped, so -v - 1 of any other negative dst cannot overflow.
+constexpr int32_t kDropped = INT32_MIN;
+
+// Grouped-GEMM tile-table kinds and columns, read by the CuTe DSL kernels. kKindOverflow is
+// C++ only: it marks a segment of a peer's expert, which goes to the overflow table.
+constexpr int32_t kKindLocal = 0, kKindSlot = 1, kKindZero = 2, kKindUnused = 3;
+constexpr int32_t kKindOverflow = 4;
+constexpr int kTableColumns = 4;
+
+}  // namespace moonep
