@@ -176,6 +176,14 @@ def gpu_vs_cpu(seed: int, maxvios: tuple, cases: tuple, impl: str = "cuda",
     return out
 
 
+def _bits_checksum(slots: jax.Array) -> jax.Array:
+    """`[B] uint32`: each slot's bit patterns summed modulo 2^32, exact and independent of the
+    summation order (a float sum of the same slots differs between the GPU and CPU backends in
+    its last bits, since their reductions add in different orders)."""
+    bits = jax.lax.bitcast_convert_type(slots, {2: jnp.uint16, 4: jnp.uint32}[slots.dtype.itemsize])
+    return jnp.sum(bits.astype(jnp.uint32), axis=(1, 2), dtype=jnp.uint32)
+
+
 @functools.cache
 def _comm_loop_fn(impl: str, backend: str, sizes: Sizes, timeout_s: float):
     mesh = mesh_of(backend)
@@ -188,7 +196,7 @@ def _comm_loop_fn(impl: str, backend: str, sizes: Sizes, timeout_s: float):
         recv_x, _ = moonep_jax.dispatch(x, topk_w, p, cfg)
         slots = moonep_jax.prefetch(w_gate_up, p, cfg)
         return _stack(dict(dst=p.dst, combine=moonep_jax.combine(recv_x, p, cfg),
-                           slot_sum=jnp.sum(slots.astype(jnp.float32), axis=(1, 2))))
+                           slot_checksum=_bits_checksum(slots)))
 
     return mesh, jax.jit(jax.shard_map(ops, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 
