@@ -9,15 +9,14 @@ the rule with its symbols and numbers, then what was given, e.g.
 that a replicated input's cotangent is summed over those axes by JAX (the transpose of `pcast`),
 neither dropped nor over-counted (jax_ffi_notes.md §11).
 
-`backend` is the single switch from an op name to its implementation function, imported lazily:
-the cuda modules exist only where the extension is built, and the xla backends of dispatch and
-combine need each other for their backward rules.
+`implementation` is the single switch from a config to its implementation module (`moonep_jax._xla`
+or `moonep_jax._cuda.ops`, the same function names in both).
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
@@ -146,34 +145,18 @@ def zeros_varying_like(shape, dtype, like: jax.Array) -> jax.Array:
     return lax.pcast(zeros, axes, to="varying") if axes else zeros
 
 
-# ---- backend choice -----------------------------------------------------------------------------
-
-# op -> (module, function) per implementation; every function has the CONTRACT.md signature.
-_BACKENDS = {
-    "xla": {
-        "dispatch": ("moonep_jax.dispatch", "_dispatch_xla"),
-        "combine": ("moonep_jax.combine", "_combine_xla"),
-        "combine_weights": ("moonep_jax.combine", "_combine_weights_xla"),
-        "prefetch": ("moonep_jax.experts", "_prefetch_xla"),
-        "reduce_grad": ("moonep_jax.experts", "_reduce_grad_xla"),
-        "gmm": ("moonep_jax.experts", "_gmm_xla"),
-        "gmm_dx": ("moonep_jax.experts", "_gmm_dx_xla"),
-        "gmm_dw": ("moonep_jax.experts", "_gmm_dw_xla"),
-    },
-    "cuda": {
-        "dispatch": ("moonep_jax._cuda.comm", "dispatch_impl"),
-        "combine": ("moonep_jax._cuda.comm", "combine_impl"),
-        "combine_weights": ("moonep_jax._cuda.comm", "combine_weights_impl"),
-        "prefetch": ("moonep_jax._cuda.comm", "prefetch_impl"),
-        "reduce_grad": ("moonep_jax._cuda.comm", "reduce_grad_impl"),
-        "gmm": ("moonep_jax._cuda.gemm", "gmm_impl"),
-        "gmm_dx": ("moonep_jax._cuda.gemm", "gmm_dx_impl"),
-        "gmm_dw": ("moonep_jax._cuda.gemm", "gmm_dw_impl"),
-    },
-}
+# ---- implementation choice ----------------------------------------------------------------------
 
 
-def backend(op: str, cfg: EPConfig) -> Callable:
-    """The implementation of backend function `op` ("dispatch", "gmm_dx", ...) for `cfg`."""
-    module, function = _BACKENDS[resolved_implementation(cfg)][op]
-    return getattr(importlib.import_module(module), function)
+def implementation(cfg: EPConfig) -> ModuleType:
+    """The module of `cfg`'s resolved implementation, `moonep_jax._xla` or `moonep_jax._cuda.ops`:
+    both define the backend functions of docs/CONTRACT.md under the same names (`dispatch`,
+    `gmm_dw`, ...). Imported here, on first use: the xla functions live in the op modules, which
+    import this one, and the CUDA ones need only be importable where they run."""
+    if resolved_implementation(cfg) == "cuda":
+        from moonep_jax._cuda import ops
+
+        return ops
+    from moonep_jax import _xla
+
+    return _xla

@@ -55,7 +55,7 @@ def combine(y: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _combine(y, plan, cfg):
-    return _checks.backend("combine", cfg)(y, plan, cfg)
+    return _checks.implementation(cfg).combine(y, plan, cfg)
 
 
 def _combine_fwd(y, plan, cfg):
@@ -65,7 +65,7 @@ def _combine_fwd(y, plan, cfg):
 def _combine_bwd(cfg, plan, d_out):
     # Dispatch without weights: the recv_w it also returns is discarded.
     no_weights = jnp.zeros((cfg.tokens_per_rank, cfg.top_k), jnp.float32)
-    d_y, _ = _checks.backend("dispatch", cfg)(d_out, no_weights, plan, cfg)
+    d_y, _ = _checks.implementation(cfg).dispatch(d_out, no_weights, plan, cfg)
     return d_y, None  # the plan is integer: no cotangent
 
 

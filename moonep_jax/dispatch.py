@@ -54,7 +54,7 @@ def dispatch(x: jax.Array, topk_w: jax.Array, plan: Plan,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _dispatch(x, topk_w, plan, cfg):
-    return _checks.backend("dispatch", cfg)(x, topk_w, plan, cfg)
+    return _checks.implementation(cfg).dispatch(x, topk_w, plan, cfg)
 
 
 def _dispatch_fwd(x, topk_w, plan, cfg):
@@ -63,8 +63,8 @@ def _dispatch_fwd(x, topk_w, plan, cfg):
 
 def _dispatch_bwd(cfg, plan, cotangents):
     d_recv_x, d_recv_w = cotangents
-    d_x = _checks.backend("combine", cfg)(d_recv_x, plan, cfg)
-    d_topk_w = _checks.backend("combine_weights", cfg)(d_recv_w, plan, cfg)
+    d_x = _checks.implementation(cfg).combine(d_recv_x, plan, cfg)
+    d_topk_w = _checks.implementation(cfg).combine_weights(d_recv_w, plan, cfg)
     return d_x, d_topk_w, None  # the plan is integer: no cotangent
 
 

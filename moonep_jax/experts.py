@@ -77,7 +77,7 @@ def prefetch(w_local: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _prefetch(w_local, plan, cfg):
-    return _checks.backend("prefetch", cfg)(w_local, plan, cfg)
+    return _checks.implementation(cfg).prefetch(w_local, plan, cfg)
 
 
 def _prefetch_fwd(w_local, plan, cfg):
@@ -86,7 +86,7 @@ def _prefetch_fwd(w_local, plan, cfg):
 
 def _prefetch_bwd(cfg, plan, d_slots):
     zeros = _checks.zeros_varying_like((cfg.epn,) + d_slots.shape[1:], _F32, d_slots)
-    d_local = _checks.backend("reduce_grad", cfg)(zeros, d_slots.astype(_F32), plan, cfg)
+    d_local = _checks.implementation(cfg).reduce_grad(zeros, d_slots.astype(_F32), plan, cfg)
     return d_local.astype(d_slots.dtype), None  # w_slots and w_local share a dtype
 
 
@@ -130,7 +130,7 @@ def reduce_grad(g_local: jax.Array, g_slots: jax.Array, plan: Plan, cfg: EPConfi
     _checks.check_array(op, "g_local", g_local, "[epn, D0, D1]", [cfg.epn, d0, d1], _F32)
     _checks.check_array(op, "g_slots", g_slots, "[B, D0, D1]", [cfg.num_slots, d0, d1], _F32)
     g_local, g_slots = _checks.vary_together([g_local, g_slots], cfg.axis_name)
-    return _checks.backend("reduce_grad", cfg)(g_local, g_slots, plan, cfg)
+    return _checks.implementation(cfg).reduce_grad(g_local, g_slots, plan, cfg)
 
 
 def _reduce_grad_xla(g: jax.Array, g_slots: jax.Array, plan: Plan, cfg: EPConfig, *,
@@ -208,7 +208,7 @@ def grouped_matmul(x: jax.Array, w_local: jax.Array, w_slots: jax.Array, plan: P
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _grouped_matmul(x, w_local, w_slots, plan, cfg):
-    return _checks.backend("gmm", cfg)(x, w_local, w_slots, plan, cfg)
+    return _checks.implementation(cfg).gmm(x, w_local, w_slots, plan, cfg)
 
 
 def _grouped_matmul_fwd(x, w_local, w_slots, plan, cfg):
@@ -218,8 +218,8 @@ def _grouped_matmul_fwd(x, w_local, w_slots, plan, cfg):
 
 def _grouped_matmul_bwd(cfg, residuals, d_y):
     x, w_local, w_slots, plan = residuals
-    d_x = _checks.backend("gmm_dx", cfg)(d_y, w_local, w_slots, plan, cfg)
-    d_local, _, d_slots = _checks.backend("gmm_dw", cfg)(x, d_y, plan, cfg)
+    d_x = _checks.implementation(cfg).gmm_dx(d_y, w_local, w_slots, plan, cfg)
+    d_local, _, d_slots = _checks.implementation(cfg).gmm_dw(x, d_y, plan, cfg)
     return d_x, d_local, d_slots.astype(w_slots.dtype), None  # x, w_local, w_slots share a dtype
 
 

@@ -29,7 +29,8 @@ _USED_SLOTS_ONLY = {"zero_unused_slots": False}
 
 
 def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array,
-            params: Mapping[str, jax.Array], cfg: EPConfig) -> jax.Array:
+            params: Mapping[str, jax.Array], cfg: EPConfig, *,
+            plan: Plan | None = None) -> jax.Array:
     """Routes tokens to their top-K SwiGLU experts across the EP axis and sums the results.
 
     `out[t] = sum_k topk_w[t, k] * ffn_{topk_idx[t, k]}(x[t])` with
@@ -51,6 +52,9 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array,
         `[..., F:]` the up projection) and `w_down [epn, F, H]`, both in x's dtype: this rank's
         experts `rank*epn ... rank*epn + epn - 1`.
       cfg: the layer's `EPConfig`.
+      plan: this rank's `moonep_jax.plan(topk_idx, cfg)` when the caller has it already (the
+        modules read `recv_src` and `num_invalid_ids` from it), so that it is not planned twice;
+        planned here when None.
 
     Returns:
       `[S, H]` in x's dtype. Each received row is scaled by its route weight in fp32 and rounded
@@ -78,7 +82,10 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array,
     _checks.check_same_dtype(_OP, "params['w_down']", w_down, "x", x)
     _checks.check_ep_axis(_OP, cfg)
 
-    plan = make_plan(topk_idx, cfg)
+    if plan is None:
+        plan = make_plan(topk_idx, cfg)
+    else:
+        _checks.check_plan(_OP, plan, cfg)
     x, topk_w, w_gate_up, w_down = _checks.vary_together([x, topk_w, w_gate_up, w_down],
                                                          cfg.axis_name)
     return _moe_ffn(x, topk_w, w_gate_up, w_down, plan, cfg)
@@ -110,20 +117,20 @@ def _slot_prefetch(plan: Plan, cfg: EPConfig):
     the slots, whose groups are empty, and with B = epn no slot memory is allocated."""
     if not cfg.replicas_possible:
         return lambda w: w[:cfg.num_slots]
-    impl = _checks.backend("prefetch", cfg)
-    return lambda w: impl(w, plan, cfg, **_USED_SLOTS_ONLY)
+    impl = _checks.implementation(cfg)
+    return lambda w: impl.prefetch(w, plan, cfg, **_USED_SLOTS_ONLY)
 
 
 def _forward(x, topk_w, w_gate_up, w_down, plan: Plan, cfg: EPConfig):
     """The layer; returns `(out, (recv_x, recv_w, h, y))`, the rows its backward needs."""
-    op = functools.partial(_checks.backend, cfg=cfg)
+    impl = _checks.implementation(cfg)
     prefetch = _slot_prefetch(plan, cfg)
-    recv_x, recv_w = op("dispatch")(x, topk_w, plan, cfg)
+    recv_x, recv_w = impl.dispatch(x, topk_w, plan, cfg)
     slots_gate_up = prefetch(w_gate_up)
     slots_down = prefetch(w_down)
-    h = op("gmm")(recv_x, w_gate_up, slots_gate_up, plan, cfg)   # [NvS, 2F]
-    y = op("gmm")(_swiglu(h), w_down, slots_down, plan, cfg)     # [NvS, H]
-    out = op("combine")(_scale_rows(y, recv_w), plan, cfg)
+    h = impl.gmm(recv_x, w_gate_up, slots_gate_up, plan, cfg)   # [NvS, 2F]
+    y = impl.gmm(_swiglu(h), w_down, slots_down, plan, cfg)     # [NvS, H]
+    out = impl.combine(_scale_rows(y, recv_w), plan, cfg)
     return out, (recv_x, recv_w, h, y)
 
 
@@ -134,11 +141,11 @@ def _weight_grad(x, d_y, plan: Plan, cfg: EPConfig) -> jax.Array:
     replicated expert's fp32 partial is then summed with its replicas' fp32 slot gradients in
     reduce_grad's fixed order and rounded once. No pass over all experts' gradients follows.
     """
-    op = functools.partial(_checks.backend, cfg=cfg)
-    d_local, d_partial, d_slots = op("gmm_dw")(x, d_y, plan, cfg, for_reduce_grad=True)
+    impl = _checks.implementation(cfg)
+    d_local, d_partial, d_slots = impl.gmm_dw(x, d_y, plan, cfg, for_reduce_grad=True)
     if not cfg.replicas_possible:
         return d_local
-    return op("reduce_grad")(d_local, d_slots, plan, cfg, g_partial=d_partial)
+    return impl.reduce_grad(d_local, d_slots, plan, cfg, g_partial=d_partial)
 
 
 def _moe_ffn_fwd(x, topk_w, w_gate_up, w_down, plan, cfg):
@@ -150,10 +157,10 @@ def _moe_ffn_fwd(x, topk_w, w_gate_up, w_down, plan, cfg):
 
 def _moe_ffn_bwd(cfg, residuals, d_out):
     (recv_x, recv_w, h, y), w_gate_up, w_down, plan = residuals
-    op = functools.partial(_checks.backend, cfg=cfg)
+    impl = _checks.implementation(cfg)
     prefetch = _slot_prefetch(plan, cfg)
     no_weights = jnp.zeros((cfg.tokens_per_rank, cfg.top_k), _F32)
-    d_z, _ = op("dispatch")(d_out, no_weights, plan, cfg)          # [NvS, H]
+    d_z, _ = impl.dispatch(d_out, no_weights, plan, cfg)          # [NvS, H]
     d_z32 = d_z.astype(_F32)
     d_recv_w = jnp.sum(d_z32 * y.astype(_F32), axis=1)              # [NvS] f32
     d_y = _scale_rows(d_z, recv_w)
@@ -162,16 +169,16 @@ def _moe_ffn_bwd(cfg, residuals, d_out):
     # prefetch (that would keep the slots alive as a residual) nor hoist it into the forward.
     w_down, d_y = lax.optimization_barrier((w_down, d_y))
     slots_down = prefetch(w_down)
-    d_act = op("gmm_dx")(d_y, w_down, slots_down, plan, cfg)        # [NvS, F]
+    d_act = impl.gmm_dx(d_y, w_down, slots_down, plan, cfg)        # [NvS, F]
     d_w_down = _weight_grad(_swiglu(h), d_y, plan, cfg)
     d_h = _swiglu_grad(h, d_act)                                    # [NvS, 2F]
     w_gate_up, d_h = lax.optimization_barrier((w_gate_up, d_h))
     slots_gate_up = prefetch(w_gate_up)
-    d_recv_x = op("gmm_dx")(d_h, w_gate_up, slots_gate_up, plan, cfg)
+    d_recv_x = impl.gmm_dx(d_h, w_gate_up, slots_gate_up, plan, cfg)
     d_w_gate_up = _weight_grad(recv_x, d_h, plan, cfg)
 
-    d_x = op("combine")(d_recv_x, plan, cfg)
-    d_topk_w = op("combine_weights")(d_recv_w, plan, cfg)
+    d_x = impl.combine(d_recv_x, plan, cfg)
+    d_topk_w = impl.combine_weights(d_recv_w, plan, cfg)
     return d_x, d_topk_w, d_w_gate_up, d_w_down, None  # the plan is integer: no cotangent
 
 

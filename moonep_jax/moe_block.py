@@ -234,13 +234,14 @@ def _sharded_block(spec: MoESpec, cfg: EPConfig):
                                  bias=params.get("router_bias"), renormalize=spec.renormalize)
         experts = {"w_gate_up": params["w_gate_up"].astype(x.dtype),
                    "w_down": params["w_down"].astype(x.dtype)}
-        y = moe_ffn(x, topk_idx, topk_w, experts, cfg)
+        # One plan for the layer and the aux it reports (recv_slots is measured from the plan,
+        # not assumed: it is the number the layer's shapes rely on).
+        plan = make_plan(topk_idx, cfg)
+        y = moe_ffn(x, topk_idx, topk_w, experts, cfg, plan=plan)
         if spec.shared_ffn_hidden is not None:
             y = y + swiglu(x, params["shared_w_gate_up"].astype(x.dtype),
                            params["shared_w_down"].astype(x.dtype))
         counts = jax.lax.psum(expert_counts(topk_idx, spec.num_experts), spec.token_axes)
-        # Measured from the plan, not assumed: this is the number the layer's shapes rely on.
-        plan = make_plan(topk_idx, cfg)
         recv_slots = jnp.sum(plan.recv_src >= 0, dtype=jnp.int32)
         num_invalid_ids = jax.lax.psum(plan.num_invalid_ids[0], spec.token_axes)
         return y, counts, recv_slots.reshape(1), num_invalid_ids

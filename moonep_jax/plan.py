@@ -4,7 +4,7 @@
 generation-1 MoonEP plan of `moonep_algorithm.md` §3, run replicated on every rank from the
 all-gathered `[R, E]` expert counts (no rank centralises the balancing), with static shapes, no
 host callbacks, and only `all_gather` / `all_to_all` over the EP axis. The CUDA planner
-(`moonep_jax._cuda.plan.plan_impl`) must produce bit-identical plans.
+(`moonep_jax._cuda.plan.plan`) must produce bit-identical plans.
 
 Phases, each a small function below:
   A  `_gather_counts`    per-rank expert histogram, all-gathered to `[R, E]`.
@@ -31,7 +31,6 @@ from jax import lax
 from jax.experimental import checkify
 
 from moonep_jax import _checks
-from moonep_jax._impl import resolved_implementation
 from moonep_jax.config import DROPPED, EPConfig
 from moonep_jax.plan_types import Plan
 
@@ -62,12 +61,7 @@ def plan(topk_idx: jax.Array, cfg: EPConfig) -> Plan:
     _checks.check_array(_OP, "topk_idx", topk_idx, "[S, K]", [cfg.tokens_per_rank, cfg.top_k],
                         jnp.int32)
     _checks.check_ep_axis(_OP, cfg)
-    if resolved_implementation(cfg) == "cuda":
-        from moonep_jax._cuda import plan as cuda_plan  # only importable with the extension built
-
-        result = cuda_plan.plan_impl(topk_idx, cfg)
-    else:
-        result = _plan_xla(topk_idx, cfg)
+    result = _checks.implementation(cfg).plan(topk_idx, cfg)
     if cfg.check_expert_ids:
         _check_expert_ids(result.num_invalid_ids, cfg)
     return result

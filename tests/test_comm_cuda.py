@@ -248,7 +248,7 @@ def test_combine_weights_bitwise_equal_to_xla(mesh, seed, maxvio):
 @pytest.mark.parametrize("num_slots", [None, 3], ids=["B=epn", "B=3"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_prefetch_copies_home_weights_exactly(mesh, seed, num_slots, dtype):
-    from moonep_jax._cuda.comm import prefetch_impl
+    from moonep_jax._cuda import ops as cuda_ops
 
     R = mesh.devices.size
     cfgs = _configs(R, prefetch_slots=num_slots)
@@ -261,7 +261,7 @@ def test_prefetch_copies_home_weights_exactly(mesh, seed, num_slots, dtype):
         p = plan(topk_idx, cfgs["xla"])
         slots = {impl: prefetch(w_local, p, cfg) for impl, cfg in cfgs.items()}
         # moe_ffn's variant: unused slots left unwritten (poisoned here), used ones exact.
-        slots["cuda_used_only"] = prefetch_impl(w_local, p, cfgs["cuda"], zero_unused_slots=False)
+        slots["cuda_used_only"] = cuda_ops.prefetch(w_local, p, cfgs["cuda"], zero_unused_slots=False)
         return _stack((slots, p.experts_to_copy))
 
     _poison_allocator(mesh, 4 * w_local.size // R)
@@ -315,8 +315,8 @@ def test_reduce_grad_bitwise_equal_to_xla_and_rank_slot_order(mesh, seed, maxvio
 def test_reduce_grad_into_bf16_from_partials_bitwise_equal_to_xla(mesh, seed, maxvio):
     """moe_ffn's reduce_grad: replicated experts' sums start from fp32 partials and are rounded
     to bf16 once, written over the bf16 gradient; every other expert keeps its bf16 matrix."""
-    from moonep_jax._cuda.comm import reduce_grad_impl
-    from moonep_jax.experts import _reduce_grad_xla
+    from moonep_jax import _xla
+    from moonep_jax._cuda import ops as cuda_ops
 
     R = mesh.devices.size
     cfgs = _configs(R)
@@ -325,7 +325,7 @@ def test_reduce_grad_into_bf16_from_partials_bitwise_equal_to_xla(mesh, seed, ma
     topk_idx = _routing(seed, R, maxvio, cfgs["xla"])
     g_partial, g_slots = _spread(rng, R * epn), _spread(rng, R * B)
     g = _spread(rng, R * epn).astype(jnp.bfloat16)
-    impls = {"xla": _reduce_grad_xla, "cuda": reduce_grad_impl}
+    impls = {"xla": _xla.reduce_grad, "cuda": cuda_ops.reduce_grad}
 
     def per_rank(topk_idx, g, g_partial, g_slots):
         p = plan(topk_idx, cfgs["xla"])

@@ -147,12 +147,12 @@ def test_gmm_dw_matches_fp32_reference(seed, case, num_rows, d0, d1):
 
 def test_gmm_dw_refuses_inference_overflow_configs():
     from moonep_jax import EPConfig
-    from moonep_jax._cuda.gemm import gmm_dw_impl
+    from moonep_jax._cuda.gemm import gmm_dw
 
     cfg = EPConfig(num_experts=8, top_k=2, tokens_per_rank=16, hidden=64, ffn_hidden=64,
                    num_ranks=2, prefetch_slots=2)
     with pytest.raises(ValueError, match="gradients need prefetch_slots == epn"):
-        gmm_dw_impl(None, None, None, cfg)
+        gmm_dw(None, None, None, cfg)
 
 
 def test_gmm_overflow_needs_the_transport():

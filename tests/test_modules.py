@@ -416,3 +416,19 @@ def test_forward_mode_autodiff_names_what_is_supported(framework, seed):
     x = tokens(seed, mesh, data_axes, 64)
     with pytest.raises(TypeError, match=r"forward-mode autodiff .* is not supported.*jax\.grad"):
         jax.jvp(lambda x: moe(x)[0], (x,), (x,))
+
+
+def test_block_plans_each_layer_once(mesh_factory, monkeypatch):
+    """The block hands its plan (the one its aux reads) to moe_ffn: one plan per block call."""
+    from moonep_jax import _xla
+
+    mesh = mesh_factory(4)
+    spec = moe_block.MoESpec(num_experts=E, top_k=K, hidden=H, ffn_hidden=F, mesh=mesh,
+                             implementation="xla")
+    params = moe_block.init_params(jax.random.key(3), spec)
+    plans = []
+    monkeypatch.setattr(_xla, "plan", lambda *a, plan_xla=_xla.plan: plans.append(1) or plan_xla(*a))
+    moe_block._sharded_block.cache_clear()  # trace now, even if an earlier test traced this spec
+    y, aux = moe_block.moe_block(tokens(3, mesh, (), 32), params, spec)
+    assert len(plans) == 1
+    assert np.asarray(aux["recv_slots"]).tolist() == [8 * K] * 4

@@ -237,10 +237,10 @@ def test_layer_reads_no_unspecified_weight_or_gradient(mesh_factory, seed, monke
 
     from jax import lax
 
-    from moonep_jax import experts
+    from moonep_jax import _xla
 
     poisoned_ops = []
-    prefetch_xla, gmm_dw_xla = experts._prefetch_xla, experts._gmm_dw_xla
+    prefetch_xla, gmm_dw_xla = _xla.prefetch, _xla.gmm_dw
 
     def arguments(backend, args, kwargs):
         bound = inspect.signature(backend).bind(*args, **kwargs).arguments
@@ -271,8 +271,8 @@ def test_layer_reads_no_unspecified_weight_or_gradient(mesh_factory, seed, monke
             d_slots = nan_where(experts_to_copy[rank] >= 0, d_slots)
         return nan_where(~replicated, d_local), d_partial, d_slots
 
-    monkeypatch.setattr(experts, "_prefetch_xla", poisoned_prefetch)
-    monkeypatch.setattr(experts, "_gmm_dw_xla", poisoned_gmm_dw)
+    monkeypatch.setattr(_xla, "prefetch", poisoned_prefetch)
+    monkeypatch.setattr(_xla, "gmm_dw", poisoned_gmm_dw)
     cfg = make_config(2, S=8, E=8)
     args = inputs(seed, cfg)
     assert_matches(jax.jit(ep_moe(cfg, mesh_factory(2))), dense_moe, args)
@@ -282,3 +282,35 @@ def test_layer_reads_no_unspecified_weight_or_gradient(mesh_factory, seed, monke
                               in_specs=P("ep"), out_specs=P("ep")))(args[1])
     slots = np.asarray(p)[:2]  # the full [R, B] table, rank 0's copy
     assert (slots >= 0).any() and (slots < 0).any(), slots
+
+
+def test_a_given_plan_is_used_and_not_planned_again(mesh_factory, seed, monkeypatch):
+    """`moe_ffn(..., plan=p)` plans nothing itself and gives the same result as planning inside;
+    a plan of the wrong shapes is refused by name."""
+    from moonep_jax import _xla
+
+    cfg, mesh = make_config(2), mesh_factory(2)
+    x, topk_idx, topk_w, w_gate_up, w_down, _ = inputs(seed, cfg)
+    plans = []
+    monkeypatch.setattr(_xla, "plan", lambda *a, plan_xla=_xla.plan: plans.append(1) or plan_xla(*a))
+
+    def per_rank(x, topk_idx, topk_w, w_gate_up, w_down, given: bool):
+        params = {"w_gate_up": w_gate_up, "w_down": w_down}
+        p = plan(topk_idx, cfg) if given else None
+        return moe_ffn(x, topk_idx, topk_w, params, cfg, plan=p)
+
+    outs = {}
+    for given in (True, False):
+        plans.clear()
+        layer = jax.shard_map(lambda *a, given=given: per_rank(*a, given), mesh=mesh,
+                              in_specs=P("ep"), out_specs=P("ep"))
+        outs[given] = np.asarray(jax.jit(layer)(x, topk_idx, topk_w, w_gate_up, w_down))
+        assert len(plans) == 1, (given, len(plans))
+    np.testing.assert_array_equal(outs[True], outs[False])
+
+    other = make_config(2, S=2 * cfg.tokens_per_rank)
+    with pytest.raises(ValueError, match=r"`moonep_jax.moe_ffn`: `plan.dst` must have shape"):
+        jax.eval_shape(jax.shard_map(
+            lambda idx, x, w, a, b: moe_ffn(x, idx, w, {"w_gate_up": a, "w_down": b}, cfg,
+                                            plan=plan(jnp.concatenate([idx, idx]), other)),
+            mesh=mesh, in_specs=P("ep"), out_specs=P("ep")), topk_idx, x, topk_w, w_gate_up, w_down)

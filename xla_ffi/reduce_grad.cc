@@ -63,7 +63,7 @@ ffi::Error ReduceGradExecute(cudaStream_t stream, int32_t device_ordinal, ffi::A
   if (g->untyped_data() != g_in.untyped_data())
     return ffi::Error::InvalidArgument(
         std::string(kOp) + ": the result must alias g (call it with "
-        "input_output_aliases={0: 0}, as moonep_jax._cuda.comm.reduce_grad_impl does)");
+        "input_output_aliases={0: 0}, as moonep_jax._cuda.comm.reduce_grad does)");
 
   auto group = moonep::group_view(device_ordinal, mesh_devices, num_ranks, timeout_ns);
   if (group.has_error()) return group.error();

@@ -49,7 +49,7 @@ def _require_summable(op: str, name: str, x: jax.Array) -> None:
             "Use implementation='xla'.")
 
 
-def dispatch_impl(x: jax.Array, topk_w: jax.Array, plan: Plan,
+def dispatch(x: jax.Array, topk_w: jax.Array, plan: Plan,
                   cfg: EPConfig) -> tuple[jax.Array, jax.Array]:
     """Zero-copy dispatch: `x [S, H]`, `topk_w [S, K] f32` -> `(recv_x [NvS, H], recv_w [NvS] f32)`.
 
@@ -63,7 +63,7 @@ def dispatch_impl(x: jax.Array, topk_w: jax.Array, plan: Plan,
         x, topk_w, plan.dst, plan.recv_src, plan.recv_primary, **_transport_attrs(cfg))
 
 
-def combine_impl(y: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
+def combine(y: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
     """Zero-copy combine: `y [NvS, H]` -> `[S, H]`, read in place from the owners' `y`.
 
     Two-stage sum of docs/CONTRACT.md (per destination rank in ascending k, rounded to y's dtype,
@@ -75,7 +75,7 @@ def combine_impl(y: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
         y, plan.dst, top_k=np.int32(cfg.top_k), **_transport_attrs(cfg))
 
 
-def combine_weights_impl(recv_w: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
+def combine_weights(recv_w: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
     """Weight gather (dispatch backward): `recv_w [NvS] f32` -> `topk_w [S, K] f32`.
 
     `topk_w[t, k]` = the owner's `recv_w` at entry (t, k)'s own row (duplicates included); 0 for
@@ -86,7 +86,7 @@ def combine_weights_impl(recv_w: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Ar
         recv_w, plan.dst, **_transport_attrs(cfg))
 
 
-def prefetch_impl(w_local: jax.Array, plan: Plan, cfg: EPConfig, *,
+def prefetch(w_local: jax.Array, plan: Plan, cfg: EPConfig, *,
                   zero_unused_slots: bool = True) -> jax.Array:
     """Zero-copy prefetch: `w_local [epn, D0, D1]` -> `w_slots [B, D0, D1]`, pulled from the homes.
 
@@ -101,7 +101,7 @@ def prefetch_impl(w_local: jax.Array, plan: Plan, cfg: EPConfig, *,
         **_transport_attrs(cfg))
 
 
-def reduce_grad_impl(g: jax.Array, g_slots: jax.Array, plan: Plan, cfg: EPConfig, *,
+def reduce_grad(g: jax.Array, g_slots: jax.Array, plan: Plan, cfg: EPConfig, *,
                      g_partial: jax.Array | None = None) -> jax.Array:
     """Zero-copy gradient reduction into `g [epn, D0, D1]` (f32, or bf16 with `g_partial`).
 

@@ -131,21 +131,21 @@ def _overflow_transport(cfg: EPConfig) -> dict | None:
     return None if cfg.trainable else transport_attrs(cfg)
 
 
-def gmm_impl(x, w_local, w_slots, plan: Plan, cfg: EPConfig):
+def gmm(x, w_local, w_slots, plan: Plan, cfg: EPConfig):
     return grouped_matmul(x, w_local, w_slots, plan.cu_seqlens, _ep_rank(cfg),
                           _overflow_transport(cfg))
 
 
-def gmm_dx_impl(dy, w_local, w_slots, plan: Plan, cfg: EPConfig):
-    return grouped_matmul_dx(dy, w_local, w_slots, plan.cu_seqlens, _ep_rank(cfg),
+def gmm_dx(d_y, w_local, w_slots, plan: Plan, cfg: EPConfig):
+    return grouped_matmul_dx(d_y, w_local, w_slots, plan.cu_seqlens, _ep_rank(cfg),
                              _overflow_transport(cfg))
 
 
-def gmm_dw_impl(x, dy, plan: Plan, cfg: EPConfig, *, for_reduce_grad: bool = False):
-    _checks.check_trainable("gmm_dw_impl", cfg)
+def gmm_dw(x, d_y, plan: Plan, cfg: EPConfig, *, for_reduce_grad: bool = False):
+    _checks.check_trainable("moonep_jax._cuda.gemm.gmm_dw", cfg)
     num_partials, num_slots = weight_grad_counts(cfg, for_reduce_grad)
     # Slots without rows are exactly the unused ones: the planner fills a slot only for an
     # expert it allocates rows to (moonep_algorithm.md §3.4, alloc > 0).
-    return grouped_matmul_dw(x, dy, plan.cu_seqlens, _ep_rank(cfg), plan.experts_to_copy,
+    return grouped_matmul_dw(x, d_y, plan.cu_seqlens, _ep_rank(cfg), plan.experts_to_copy,
                              cfg.epn, num_partials, num_slots,
                              zero_unused_slots=not for_reduce_grad)

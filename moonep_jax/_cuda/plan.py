@@ -22,7 +22,7 @@ from moonep_jax.config import EPConfig
 from moonep_jax.plan_types import Plan
 
 
-def plan_impl(topk_idx: jax.Array, cfg: EPConfig) -> Plan:
+def plan(topk_idx: jax.Array, cfg: EPConfig) -> Plan:
     """The CUDA planner: `topk_idx [S, K] int32` -> this rank's `Plan` (docs/CONTRACT.md).
 
     Raises:
