@@ -119,6 +119,17 @@ def put(mesh, value: np.ndarray) -> jax.Array:
                                         lambda index: value[index])
 
 
+def draw_on_rank(mesh, rank: int, draw) -> tuple[jax.Array, ...]:
+    """`draw(key)`'s arrays as this rank's shards of global "ep"-split arrays: drawn on its own
+    device from a key of its own, with no collective (NCCL refuses two ranks on one GPU) and no
+    host draw (numpy takes tens of seconds for the record shape's rows)."""
+    split = NamedSharding(mesh, P("ep"))
+    with jax.default_device(jax.local_devices()[0]):
+        mine = jax.jit(draw)(jax.random.fold_in(jax.random.key(7777), rank))
+    return tuple(jax.make_array_from_single_device_arrays((mesh.size * a.shape[0], *a.shape[1:]),
+                                                          split, [a]) for a in mine)
+
+
 def local(array: jax.Array) -> np.ndarray:
     """This process's shard of an "ep"-split array, on the host."""
     (shard,) = array.addressable_shards

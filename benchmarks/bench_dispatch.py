@@ -266,18 +266,29 @@ def timed(name: str, fn, args, iters: int, reps: int) -> dict:
     return {"method": name, "status": "ok", "times_ms": times, "median_ms": float(np.median(times))}
 
 
-def global_inputs(cfg: moonep_jax.EPConfig, maxvio: float) -> tuple[dict, float, float]:
-    """`({topk_idx, x, topk_w, y}, sigma, realised maxvio)`: one point's global host arrays,
-    the same in every process (fixed seeds)."""
-    R, S, K, E, H = cfg.num_ranks, cfg.tokens_per_rank, cfg.top_k, cfg.num_experts, cfg.hidden
+def global_routing(cfg: moonep_jax.EPConfig, maxvio: float) -> tuple[np.ndarray, float, float]:
+    """`(topk_idx [R*S, K], sigma, realised maxvio)`, the same in every process (fixed seed)."""
+    R, S, K, E = cfg.num_ranks, cfg.tokens_per_rank, cfg.top_k, cfg.num_experts
     topk_idx, sigma, realised = routing.lognormal_for_maxvio(jax.random.key(1234), R, S, K, E,
                                                               maxvio)
+    return np.asarray(topk_idx).reshape(R * S, K), sigma, realised
+
+
+def global_payloads(cfg: moonep_jax.EPConfig) -> dict[str, np.ndarray]:
+    """`{x, topk_w, y}`: the rows and weights moved, the same in every process (fixed seed)."""
+    R, S, K, H = cfg.num_ranks, cfg.tokens_per_rank, cfg.top_k, cfg.hidden
     rng = np.random.default_rng(7777)
-    arrays = {"topk_idx": np.asarray(topk_idx).reshape(R * S, K),
-              "x": rng.standard_normal((R * S, H), np.float32).astype(jnp.bfloat16),
-              "topk_w": rng.random((R * S, K), np.float32),
-              "y": rng.standard_normal((R * cfg.nvs, H), np.float32).astype(jnp.bfloat16)}
-    return arrays, sigma, realised
+    return {"x": rng.standard_normal((R * S, H), np.float32).astype(jnp.bfloat16),
+            "topk_w": rng.random((R * S, K), np.float32),
+            "y": rng.standard_normal((R * cfg.nvs, H), np.float32).astype(jnp.bfloat16)}
+
+
+def rank_payloads(key, cfg: moonep_jax.EPConfig) -> tuple[jax.Array, ...]:
+    """`global_payloads`' x, topk_w and y of one rank, drawn with jax.random (`--processes`)."""
+    kx, kw, ky = jax.random.split(key, 3)
+    S, K, H = cfg.tokens_per_rank, cfg.top_k, cfg.hidden
+    return (jax.random.normal(kx, (S, H), jnp.bfloat16), jax.random.uniform(kw, (S, K)),
+            jax.random.normal(ky, (cfg.nvs, H), jnp.bfloat16))
 
 
 def plan_bytes_per_rank(p, R: int) -> int:
@@ -288,10 +299,10 @@ def plan_bytes_per_rank(p, R: int) -> int:
 def run_point(mesh, cfgs: dict, maxvio: float, args, methods: list[str], on_point) -> dict:
     cfg = cfgs["xla"]
     R, H = cfg.num_ranks, cfg.hidden
-    arrays, sigma, realised = global_inputs(cfg, maxvio)
+    topk_idx, sigma, realised = global_routing(cfg, maxvio)
     sharding = jax.NamedSharding(mesh, P("ep"))
-    topk_idx, x, topk_w, y = (jax.device_put(arrays[k], sharding)
-                              for k in ("topk_idx", "x", "topk_w", "y"))
+    x, topk_w, y = (jax.device_put(a, sharding) for a in global_payloads(cfg).values())
+    topk_idx = jax.device_put(topk_idx, sharding)
     p = per_rank(lambda idx: plan(idx, cfg), mesh)(topk_idx)  # every leaf stacked over ranks
     rows = traffic(np.asarray(p.dst).reshape(R, -1), cfg)
     row_bytes = H * 2
@@ -399,11 +410,10 @@ def run_ranks(args) -> None:
     if first:
         print(f"bench_dispatch --processes {R}: {record['process_layout']}, shape {shape}, "
               f"{impl}\n  NOTE: {record['timing_note']}", flush=True)
+    x, topk_w, y = _processes.draw_on_rank(mesh, rank, lambda key: rank_payloads(key, cfg))
     for i, maxvio in enumerate(args.maxvios):
-        arrays, sigma, realised = global_inputs(cfg, maxvio)
-        topk_idx, x, topk_w, y = (_processes.put(mesh, arrays[k])
-                                  for k in ("topk_idx", "x", "topk_w", "y"))
-        del arrays
+        topk_idx, sigma, realised = global_routing(cfg, maxvio)
+        topk_idx = _processes.put(mesh, topk_idx)
         p = per_rank(lambda idx: plan(idx, cfg), mesh)(topk_idx)
         mine = {"rank": rank, "traffic": traffic(_processes.local(p.dst)[None], cfg, [rank])}
         op_args = {"plan": (topk_idx,), "dispatch": (x, topk_w, p), "combine": (y, p)}

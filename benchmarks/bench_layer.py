@@ -141,19 +141,6 @@ def weights_and_tokens(mesh, shape: Shape):
     return draw(jax.random.key(7777), shape, R * shape.S, shape.E)
 
 
-def rank_weights_and_tokens(mesh, shape: Shape, rank: int):
-    """`weights_and_tokens` of one process's rank (`--processes`): this rank's shards drawn on
-    its own device from a key of its own, then joined into the global arrays; no collective
-    (XLA's GPU collectives refuse two ranks on one GPU)."""
-    R = mesh.shape["ep"]
-    split = NamedSharding(mesh, P("ep"))
-    with jax.default_device(jax.local_devices()[0]):
-        mine = jax.jit(draw_inputs, static_argnums=(1, 2, 3))(
-            jax.random.fold_in(jax.random.key(7777), rank), shape, shape.S, shape.E // R)
-    return tuple(jax.make_array_from_single_device_arrays((R * a.shape[0], *a.shape[1:]), split,
-                                                          [a]) for a in mine)
-
-
 # ---- the methods: per-rank layers ---------------------------------------------------------------
 
 
@@ -821,7 +808,8 @@ def run_ranks(args) -> None:
     if first:
         print(f"bench_layer --processes {R}: {record['process_layout']}, shape {shape}, {impl}, "
               f"B={cfg.num_slots}\n  NOTE: {record['timing_note']}", flush=True)
-    x, topk_w, w_gate_up, w_down, d_out = rank_weights_and_tokens(mesh, shape, rank)
+    x, topk_w, w_gate_up, w_down, d_out = _processes.draw_on_rank(
+        mesh, rank, lambda key: draw_inputs(key, shape, shape.S, shape.E // R))
     step, compiled, memory = per_rank_training_step(moonep_layer(cfg), mesh), None, None
     barrier = _processes.barrier("bench_layer")
     for i, maxvio in enumerate(args.maxvios):
