@@ -41,6 +41,9 @@ GPU_MEMORY_SHARE = 0.9
 # covers a peer's compile.
 JOB_TIMEOUT_S = 280.0
 WAIT_S = 120.0
+# The ranks' CUDA waits for each other (CudaOptions.timeout_s, 10 s by default): ranks sharing one
+# GPU start their calls a host round trip apart and an MPS client may be descheduled for a while.
+CUDA_WAIT_S = 60.0
 
 
 def platform() -> str:
@@ -134,6 +137,21 @@ def local(array: jax.Array) -> np.ndarray:
     """This process's shard of an "ep"-split array, on the host."""
     (shard,) = array.addressable_shards
     return np.asarray(shard.data)
+
+
+def cuda_options():
+    """The CudaOptions of the ranks' configs: the default knobs, a longer bound on waits."""
+    import moonep_jax
+
+    return moonep_jax.CudaOptions(timeout_s=CUDA_WAIT_S)
+
+
+def compiled_together(fn, args, barrier) -> object:
+    """The jitted `fn` compiled for `args`, returned once every process has compiled it: a rank's
+    first call must not wait in a kernel for a peer that is still compiling."""
+    compiled = fn.lower(*args).compile()
+    barrier()
+    return compiled
 
 
 def barrier(tag: str):

@@ -790,7 +790,7 @@ def run_ranks(args) -> None:
     shape = quick_shape(R) if args.quick else PROCESS_SHAPE
     cfg = moonep_jax.EPConfig(num_experts=shape.E, top_k=shape.K, tokens_per_rank=shape.S,
                               hidden=shape.H, ffn_hidden=shape.F, num_ranks=R,
-                              implementation=impl)
+                              implementation=impl, cuda=_processes.cuda_options())
     method, skipped = f"moonep_{impl}", _processes.skipped_methods(("a2a_pad_gmm", "ragged_a2a_dot"))
     reps = args.reps or PROCESS_REPS
     record = {"schema": "moonep_jax.bench_layer_processes/1", **_processes.provenance(R),
@@ -819,7 +819,7 @@ def run_ranks(args) -> None:
         step_args = (x, topk_idx, topk_w, w_gate_up, w_down, d_out)
         if compiled is None:  # shapes do not depend on maxvio: one compile
             t0 = time.perf_counter()
-            compiled = step.lower(*step_args).compile()
+            compiled = _processes.compiled_together(step, step_args, barrier)
             memory = memory_of(compiled)
             if first:
                 print(f"compiled in {time.perf_counter() - t0:.0f} s", flush=True)
