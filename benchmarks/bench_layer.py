@@ -791,7 +791,8 @@ def run_ranks(args) -> None:
     cfg = moonep_jax.EPConfig(num_experts=shape.E, top_k=shape.K, tokens_per_rank=shape.S,
                               hidden=shape.H, ffn_hidden=shape.F, num_ranks=R,
                               implementation=impl, cuda=_processes.cuda_options())
-    method, skipped = f"moonep_{impl}", _processes.skipped_methods(("a2a_pad_gmm", "ragged_a2a_dot"))
+    method = f"moonep_{impl}"
+    skipped = _processes.skipped_methods(("a2a_pad_gmm", "ragged_a2a_dot"))
     reps = args.reps or PROCESS_REPS
     record = {"schema": "moonep_jax.bench_layer_processes/1", **_processes.provenance(R),
               "shape": dataclasses.asdict(shape), "dtype": "bfloat16", "num_ranks": R,
