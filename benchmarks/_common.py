@@ -19,11 +19,14 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 MAXVIOS = (0.2, 1.0, 10.0, 20.0)
 
 
-def time_calls(fn, args, reps: int) -> list[float]:
-    """Wall times in ms of `reps` calls of `fn(*args)` (each until ready), after one warm-up."""
+def time_calls(fn, args, reps: int, before_each=None) -> list[float]:
+    """Wall times in ms of `reps` calls of `fn(*args)` (each until ready), after one warm-up.
+    `before_each()` runs untimed before every call (the ranks' barrier of `--processes`)."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
+        if before_each is not None:
+            before_each()
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append((time.perf_counter() - t0) * 1e3)
@@ -53,13 +56,15 @@ def provenance() -> dict:
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat()}
 
 
-def device_tag() -> str:
-    """`<gpu model>x<count>` for file names (`cpu` when not on a GPU)."""
+def device_tag(count: int | None = None) -> str:
+    """`<gpu model>x<count>` for file names (`cpu` when not on a GPU); `count` defaults to the
+    devices jax sees (N processes sharing one GPU see N devices of one GPU: they pass 1)."""
     devices = jax.devices()
+    count = len(devices) if count is None else count
     if jax.default_backend() != "gpu":
-        return f"cpux{len(devices)}"
+        return f"cpux{count}"
     kind = "".join(c if c.isalnum() else "_" for c in devices[0].device_kind)
-    return f"{kind}x{len(devices)}"
+    return f"{kind}x{count}"
 
 
 def write_json(path: pathlib.Path, record: dict) -> None:

@@ -20,7 +20,16 @@ bytes/t (one row per (token, remote destination rank), what dispatch sends).
 Writes `<out>/bench_dispatch_<gpu>x<count>.json` (and a PNG plot when matplotlib is importable).
 `--quick` runs a tiny shape (CPU smoke test; on CPU only the xla path and all_to_all run).
 
+`--processes N` runs one EP rank per process (benchmarks/_processes.py): N local processes, on a
+GPU host all sharing GPU 0 under MPS, at maxvio 1 and 20 and the same shape. Only the CUDA ops are
+timed (XLA's NCCL collectives refuse two ranks on one GPU: the baselines are recorded as skipped;
+on CPU the xla ops stand in, a harness check); each rank times its own calls, process 0 writes
+`bench_dispatch_<gpu>x1_<N>proc_mps.json` with every rank's times, the max over ranks, and per op
+the bytes each rank's kernels read and write (`hbm_bytes`) with the implied GB/s. On one GPU
+these are NOT NVLink figures: all ranks share its SMs and HBM, and the link is HBM.
+
     python benchmarks/bench_dispatch.py [--quick] [--out DIR] [--iters N] [--reps N]
+    python benchmarks/bench_dispatch.py --processes N [--quick] [--out DIR] [--iters N] [--reps N]
 """
 
 from __future__ import annotations
@@ -31,7 +40,6 @@ import json
 import os
 import pathlib
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +55,11 @@ from moonep_jax.plan import plan
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
+import _processes  # noqa: E402
 
 MAXVIOS = _common.MAXVIOS
+# --processes: two ends of the sweep, to keep the run on one shared GPU short.
+PROCESS_MAXVIOS = (1.0, 20.0)
 RAGGED_TIMEOUT_S = 120.0
 
 
@@ -65,6 +76,12 @@ RECORD = Shape(S=8192, H=7168, K=8, E=384)
 
 def quick_shape(R: int) -> Shape:
     return Shape(S=256, H=512, K=4, E=16 * R)
+
+
+def config(shape: Shape, R: int, implementation: str, **options) -> moonep_jax.EPConfig:
+    return moonep_jax.EPConfig(num_experts=shape.E, top_k=shape.K, tokens_per_rank=shape.S,
+                               hidden=shape.H, ffn_hidden=2048, num_ranks=R,
+                               implementation=implementation, **options)
 
 
 # ---- timing -------------------------------------------------------------------------------------
@@ -88,15 +105,9 @@ def feed_back(x, out):
     return lax.dynamic_update_slice(x, out[:1].astype(x.dtype), (0,) * x.ndim)
 
 
-def time_loop(fn, args, iters: int, reps: int) -> list[float]:
+def time_loop(fn, args, iters: int, reps: int, before_each=None) -> list[float]:
     """Per-call times in ms of `reps` runs of the looped `fn`, after one warm-up run."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3 / iters)
-    return times
+    return [t / iters for t in _common.time_calls(fn, args, reps, before_each)]
 
 
 # ---- the moonep ops -----------------------------------------------------------------------------
@@ -176,18 +187,63 @@ def ragged_dispatch_step(cfg: moonep_jax.EPConfig):
 # ---- traffic ------------------------------------------------------------------------------------
 
 
-def traffic(dst: np.ndarray, cfg: moonep_jax.EPConfig) -> dict:
-    """Rows each rank moves to or from other ranks, from the stacked plans' `dst [R, N]`."""
+def traffic(dst: np.ndarray, cfg: moonep_jax.EPConfig, ranks=None) -> dict:
+    """Rows each rank sends, from its plan: `dst [len(ranks), N]` of `ranks` (default: the
+    stacked plans of all R ranks). Per rank: its valid entries, the tokens with one, the entries
+    and the primary rows (`dst >= 0`: one per (token, destination rank), what dispatch sends;
+    duplicates are copied at the receiver) bound for other ranks, and per destination rank the
+    entries and primaries sent there. Lists in rank order."""
     R, S, K = cfg.num_ranks, cfg.tokens_per_rank, cfg.top_k
-    dest, _, valid = (np.asarray(a) for a in decode_dst(jnp.asarray(dst), cfg.nvs))
-    valid = valid.reshape(R, S, K)
-    dest = np.where(valid, dest.reshape(R, S, K), -1 - np.arange(K))  # dropped: matches nothing
-    remote = valid & (dest != np.arange(R)[:, None, None])
-    first = np.ones_like(remote)  # first occurrence of each (token, dest rank)
-    for k in range(1, K):
-        first[:, :, k] = ~np.any(dest[:, :, :k] == dest[:, :, k:k + 1], axis=2)
-    return {"remote_rows": remote.sum(axis=(1, 2)).tolist(),
-            "dedup_remote_rows": (remote & first).sum(axis=(1, 2)).tolist()}
+    ranks = np.arange(R) if ranks is None else np.asarray(ranks)
+    n = len(ranks)
+    dest, _, valid = (np.asarray(a).reshape(n, S, K)
+                      for a in decode_dst(jnp.asarray(dst), cfg.nvs))
+    primary = valid & (np.asarray(dst).reshape(n, S, K) >= 0)
+    remote = valid & (dest != ranks[:, None, None])
+    count = lambda mask, axes=(1, 2): mask.sum(axis=axes).astype(int).tolist()  # noqa: E731
+    to_rank = lambda mask: [[int((m & (d == r)).sum()) for r in range(R)]  # noqa: E731
+                            for m, d in zip(mask, dest)]
+    return {"ranks": ranks.astype(int).tolist(), "entries": count(valid),
+            "tokens_sent": count(valid.any(axis=2), 1), "remote_rows": count(remote),
+            "dedup_remote_rows": count(remote & primary), "primary_rows": count(primary),
+            "entries_to": to_rank(valid), "primaries_to": to_rank(primary)}
+
+
+def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: int) -> dict:
+    """Per op and rank, the bytes its kernels read and write, from `traffic` of all R ranks:
+    row data, route weights and the plan arrays the data kernels read (not the barriers'
+    flags). A rank's stores into a peer's buffers count as that rank's writes.
+
+    dispatch: each token with a valid entry is read once and stored once per primary row (in
+    whichever rank's receive buffer), weights per entry; the receiver copies each duplicate row
+    from its primary and zeroes rows no entry owns. combine: every valid entry's row is read from
+    the rank that holds it, one [S, H] output written. plan: topk_idx in and the Plan out only
+    (its histogram exchange is not counted)."""
+    N, nvs, S = cfg.num_entries, cfg.nvs, cfg.tokens_per_rank
+    entries, tokens, primaries = (np.array(rows[k]) for k in ("entries", "tokens_sent",
+                                                               "primary_rows"))
+    received = np.sum(rows["entries_to"], axis=0)           # receive rows owned, per rank
+    duplicates = received - np.sum(rows["primaries_to"], axis=0)
+    unowned = nvs - received
+    R = len(entries)
+    per_rank = lambda v: (np.broadcast_to(v, (R,)).astype(int)).tolist()  # noqa: E731
+    return {
+        "plan": {"read": per_rank(N * 4), "written": per_rank(plan_bytes)},
+        "dispatch": {"read": per_rank(tokens * row_bytes + entries * 4 + N * 4
+                                      + duplicates * row_bytes + nvs * 8),
+                     "written": per_rank(primaries * row_bytes + entries * 4
+                                         + duplicates * row_bytes + unowned * (row_bytes + 4))},
+        "combine": {"read": per_rank(entries * row_bytes + N * 4),
+                    "written": per_rank(S * row_bytes)},
+    }
+
+
+def hbm_rates(moved: dict, times_ms: list[float]) -> dict:
+    """GB/s of one op: each rank's bytes (read + written) over its own time, and all ranks'
+    bytes over the slowest rank's time (what one GPU's HBM carried when the ranks share it)."""
+    total = [r + w for r, w in zip(moved["read"], moved["written"])]
+    return {"hbm_gbps_per_rank": [b / (t * 1e-3) / 1e9 for b, t in zip(total, times_ms)],
+            "hbm_gbps_all_ranks": sum(total) / (max(times_ms) * 1e-3) / 1e9}
 
 
 def bandwidths(t_ms: float, row_bytes: int, cfg, rows: dict) -> dict:
@@ -210,29 +266,57 @@ def timed(name: str, fn, args, iters: int, reps: int) -> dict:
     return {"method": name, "status": "ok", "times_ms": times, "median_ms": float(np.median(times))}
 
 
-def run_point(mesh, cfgs: dict, maxvio: float, args, methods: list[str], on_point) -> dict:
-    cfg = cfgs["xla"]
-    R, S, K, E, H = cfg.num_ranks, cfg.tokens_per_rank, cfg.top_k, cfg.num_experts, cfg.hidden
+def global_routing(cfg: moonep_jax.EPConfig, maxvio: float) -> tuple[np.ndarray, float, float]:
+    """`(topk_idx [R*S, K], sigma, realised maxvio)`, the same in every process (fixed seed)."""
+    R, S, K, E = cfg.num_ranks, cfg.tokens_per_rank, cfg.top_k, cfg.num_experts
     topk_idx, sigma, realised = routing.lognormal_for_maxvio(jax.random.key(1234), R, S, K, E,
                                                               maxvio)
+    return np.asarray(topk_idx).reshape(R * S, K), sigma, realised
+
+
+def global_payloads(cfg: moonep_jax.EPConfig) -> dict[str, np.ndarray]:
+    """`{x, topk_w, y}`: the rows and weights moved, the same in every process (fixed seed)."""
+    R, S, K, H = cfg.num_ranks, cfg.tokens_per_rank, cfg.top_k, cfg.hidden
     rng = np.random.default_rng(7777)
+    return {"x": rng.standard_normal((R * S, H), np.float32).astype(jnp.bfloat16),
+            "topk_w": rng.random((R * S, K), np.float32),
+            "y": rng.standard_normal((R * cfg.nvs, H), np.float32).astype(jnp.bfloat16)}
+
+
+def rank_payloads(key, cfg: moonep_jax.EPConfig) -> tuple[jax.Array, ...]:
+    """`global_payloads`' x, topk_w and y of one rank, drawn with jax.random (`--processes`)."""
+    kx, kw, ky = jax.random.split(key, 3)
+    S, K, H = cfg.tokens_per_rank, cfg.top_k, cfg.hidden
+    return (jax.random.normal(kx, (S, H), jnp.bfloat16), jax.random.uniform(kw, (S, K)),
+            jax.random.normal(ky, (cfg.nvs, H), jnp.bfloat16))
+
+
+def plan_bytes_per_rank(p, R: int) -> int:
+    """Bytes of one rank's Plan (every leaf is the R ranks' plans concatenated)."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(p)) // R
+
+
+def run_point(mesh, cfgs: dict, maxvio: float, args, methods: list[str], on_point) -> dict:
+    cfg = cfgs["xla"]
+    R, H = cfg.num_ranks, cfg.hidden
+    topk_idx, sigma, realised = global_routing(cfg, maxvio)
     sharding = jax.NamedSharding(mesh, P("ep"))
-    topk_idx = jax.device_put(np.asarray(topk_idx).reshape(R * S, K), sharding)
-    x = jax.device_put(rng.standard_normal((R * S, H), np.float32).astype(jnp.bfloat16), sharding)
-    topk_w = jax.device_put(rng.random((R * S, K), np.float32), sharding)
-    y = jax.device_put(rng.standard_normal((R * cfg.nvs, H), np.float32).astype(jnp.bfloat16),
-                       sharding)
+    x, topk_w, y = (jax.device_put(a, sharding) for a in global_payloads(cfg).values())
+    topk_idx = jax.device_put(topk_idx, sharding)
     p = per_rank(lambda idx: plan(idx, cfg), mesh)(topk_idx)  # every leaf stacked over ranks
     rows = traffic(np.asarray(p.dst).reshape(R, -1), cfg)
-    point = {"maxvio_target": maxvio, "maxvio_measured": realised, "sigma": sigma, **rows,
-             "results": []}
     row_bytes = H * 2
+    moved = hbm_bytes(rows, cfg, row_bytes, plan_bytes_per_rank(p, R))
+    point = {"maxvio_target": maxvio, "maxvio_measured": realised, "sigma": sigma, **rows,
+             "hbm_bytes": moved, "results": []}
     it, reps = args.iters, args.reps
 
     def add(op: str, result: dict):
         result["op"] = op
         if result["status"] == "ok" and op != "plan":
             result.update(bandwidths(result["median_ms"], row_bytes, cfg, rows))
+        if result["status"] == "ok" and result["method"].startswith("moonep"):
+            result.update(hbm_rates(moved[op], [result["median_ms"]] * R))
         point["results"].append(result)
         on_point(point)
         outcome = (f"{result['median_ms']:9.3f} ms" if result["status"] == "ok"
@@ -296,6 +380,79 @@ def plot(record: dict, path: pathlib.Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+# ---- --processes N: one EP rank per process ----------------------------------------------------
+
+OPS = ("plan", "dispatch", "combine")
+
+
+def run_ranks(args) -> None:
+    """One EP rank of `--processes N` (every process of the launched job runs this): plan,
+    dispatch and combine of the CUDA ops (xla on CPU) timed on this rank at each maxvio; process 0
+    gathers every rank's times and traffic and writes the record after each point."""
+    mesh = _processes.ep_mesh()
+    R, rank, first = mesh.size, _processes.my_rank(mesh), jax.process_index() == 0
+    impl = _processes.implementation()
+    shape = quick_shape(R) if args.quick else RECORD
+    cfg = config(shape, R, impl, cuda=_processes.cuda_options())
+    method, skipped = f"moonep_{impl}", _processes.skipped_methods(("all_to_all_pad", "ragged_a2a"))
+    steps = dict(zip(OPS, moonep_steps(cfg)))
+    loops = {op: looped(step, mesh, args.iters) for op, step in steps.items()}
+    planner, compiled = per_rank(lambda idx: plan(idx, cfg), mesh), {}  # compiled once
+    barrier = _processes.barrier("bench_dispatch")
+    row_bytes = shape.H * 2
+    stem = _processes.stem("bench_dispatch", R, args.quick)
+    path = args.out / f"{stem}.json"
+    record = {"schema": "moonep_jax.bench_dispatch_processes/1", **_processes.provenance(R),
+              "shape": dataclasses.asdict(shape), "dtype": "bfloat16", "nvs": cfg.nvs,
+              "num_sms": cfg.cuda.num_sms, "iters": args.iters, "reps": args.reps,
+              "implementation": impl, "methods": [method], "skipped_methods": skipped,
+              "hbm_bytes_method": " ".join(hbm_bytes.__doc__.split()),
+              "points": []}
+    if first:
+        print(f"bench_dispatch --processes {R}: {record['process_layout']}, shape {shape}, "
+              f"{impl}\n  NOTE: {record['timing_note']}", flush=True)
+    x, topk_w, y = _processes.draw_on_rank(mesh, rank, lambda key: rank_payloads(key, cfg))
+    for i, maxvio in enumerate(args.maxvios):
+        topk_idx, sigma, realised = global_routing(cfg, maxvio)
+        topk_idx = _processes.put(mesh, topk_idx)
+        if not compiled:
+            compiled["planner"] = _processes.compiled_together(planner, (topk_idx,), barrier)
+        p = compiled["planner"](topk_idx)
+        mine = {"rank": rank, "traffic": traffic(_processes.local(p.dst)[None], cfg, [rank])}
+        op_args = {"plan": (topk_idx,), "dispatch": (x, topk_w, p), "combine": (y, p)}
+        for op in OPS:
+            if op not in compiled:
+                compiled[op] = _processes.compiled_together(loops[op], op_args[op], barrier)
+        mine["times_ms"] = {op: time_loop(compiled[op], op_args[op], args.iters, args.reps,
+                                          barrier) for op in OPS}
+        everyone = _processes.gather(f"bench_dispatch/point{i}", mine)
+        if not first:
+            continue
+        everyone.sort(key=lambda v: v["rank"])
+        rows = {k: [v for one in everyone for v in one["traffic"][k]] for k in mine["traffic"]}
+        moved = hbm_bytes(rows, cfg, row_bytes, plan_bytes_per_rank(p, R))
+        point = {"maxvio_target": maxvio, "maxvio_measured": realised, "sigma": sigma, **rows,
+                 "hbm_bytes": moved, "results": []}
+        for op in OPS:
+            per_rank_times = [{"rank": one["rank"], "times_ms": one["times_ms"][op],
+                               "median_ms": float(np.median(one["times_ms"][op]))}
+                              for one in everyone]
+            result = {"method": method, "op": op, "status": "ok",
+                      **_processes.across_ranks(per_rank_times)}
+            if op != "plan":
+                result.update(bandwidths(result["median_ms"], row_bytes, cfg, rows))
+            result.update(hbm_rates(moved[op], result["median_ms_per_rank"]))
+            point["results"].append(result)
+            print(f"maxvio {maxvio:5.1f} {op:8s} {method}: max over ranks "
+                  f"{result['median_ms']:9.3f} ms (per rank "
+                  f"{', '.join(f'{t:.3f}' for t in result['median_ms_per_rank'])}); HBM "
+                  f"{result['hbm_gbps_all_ranks']:.0f} GB/s, all ranks together", flush=True)
+        record["points"].append(point)
+        _common.write_json(path, record)
+    if first:
+        print(f"  NOTE: {record['timing_note']}\nwrote {path}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shape (CPU smoke test)")
@@ -303,9 +460,17 @@ def main():
                         default=pathlib.Path(__file__).parent / "results")
     parser.add_argument("--iters", type=int, default=None, help="calls per timed loop")
     parser.add_argument("--reps", type=int, default=None, help="timed loops per point")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="one EP rank per process, N local processes (on GPU all sharing "
+                             "GPU 0 under MPS: not NVLink figures); times the moonep ops only")
     args = parser.parse_args()
     args.iters = args.iters or (2 if args.quick else 10)
     args.reps = args.reps or (3 if args.quick else 7)
+    if args.processes > 1:
+        args.maxvios = PROCESS_MAXVIOS
+        args.out.mkdir(parents=True, exist_ok=True)
+        _processes.spawn(__file__, "run_ranks", args.processes, args)
+        return
 
     devices = jax.devices()
     R = len(devices)
@@ -324,10 +489,7 @@ def main():
         methods.append("ragged_a2a")
     else:
         skipped["ragged_a2a"] = "XLA:CPU does not implement ragged-all-to-all"
-    cfgs = {impl: moonep_jax.EPConfig(num_experts=shape.E, top_k=shape.K, tokens_per_rank=shape.S,
-                                      hidden=shape.H, ffn_hidden=2048, num_ranks=R,
-                                      implementation=impl)
-            for impl in ("cuda", "xla")}
+    cfgs = {impl: config(shape, R, impl) for impl in ("cuda", "xla")}
 
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"bench_dispatch_{_common.device_tag()}" + ("_quick" if args.quick else "")

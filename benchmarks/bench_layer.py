@@ -42,7 +42,18 @@ needs ncu and CuPy or libnvToolsExt) and folds the per-kernel times into the rec
 `--out` (or /tmp). Writes `bench_layer_<gpu>x1_onegpu.json` and `.png`. `--one-gpu --quick` is a
 CPU smoke test (implementation xla, E=16).
 
+`--processes N`: one EP rank per process (benchmarks/_processes.py), N local processes, on a GPU
+host all sharing GPU 0 under MPS, at PROCESS_SHAPE (S=4096, H=7168, K=8, E=128, F=2048: the
+record shape's buffers would not fit N ranks on one GPU), maxvio 1 and 20, --reps 5. Only
+moonep_jax's fwd+bwd is timed (the baselines need XLA's NCCL collectives, which refuse two ranks
+on one GPU: recorded as skipped; on CPU the xla implementation stands in, a harness check), each
+rank's step a `jax.vjp` pullback of its own d_out inside the shard_map (the same gradients without
+XLA's all-reduce of a global loss). Each rank times its own steps; process 0 writes
+`bench_layer_<gpu>x1_<N>proc_mps.json` (to --out, else benchmarks/results) with every rank's times
+and the max over ranks. On one GPU these are NOT NVLink figures: all ranks share its SMs and HBM.
+
     python benchmarks/bench_layer.py [--quick] [--out DIR] [--reps N]
+    python benchmarks/bench_layer.py --processes N [--quick] [--out DIR] [--reps N]
     python benchmarks/bench_layer.py --one-gpu [--ncu [--ncu-maxvio 1]] [--quick] [--out DIR]
 """
 
@@ -69,6 +80,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
+import _processes  # noqa: E402
 
 import moonep_jax  # noqa: E402
 from moonep_jax import _checks, _ffi, routing  # noqa: E402
@@ -109,22 +121,24 @@ def quick_shape(R: int) -> Shape:
 # ---- inputs -------------------------------------------------------------------------------------
 
 
+def draw_inputs(key, shape: Shape, tokens: int, experts: int):
+    """`(x, topk_w, w_gate_up, w_down, d_out)` of `tokens` tokens and `experts` experts."""
+    S, H, K, E, F = tokens, shape.H, shape.K, experts, shape.F
+    k = jax.random.split(key, 5)
+    # Drawn in bf16 directly: an fp32 draw of the record shape's weights would need 45 GB.
+    normal = lambda i, shp, scale: (  # noqa: E731
+        jax.random.normal(k[i], shp, jnp.bfloat16) * jnp.bfloat16(scale))
+    return (normal(0, (S, H), 1.0), jax.random.uniform(k[1], (S, K), _F32),
+            normal(2, (E, H, 2 * F), H ** -0.5), normal(3, (E, F, H), F ** -0.5),
+            normal(4, (S, H), 1.0))
+
+
 def weights_and_tokens(mesh, shape: Shape):
     """`(x, topk_w, w_gate_up, w_down, d_out)`, drawn on the devices, split over "ep"."""
-    R, S, H, K, E, F = (mesh.shape["ep"], shape.S, shape.H, shape.K, shape.E, shape.F)
+    R = mesh.shape["ep"]
     split = NamedSharding(mesh, P("ep"))
-
-    @functools.partial(jax.jit, out_shardings=(split,) * 5)
-    def draw(key):
-        k = jax.random.split(key, 5)
-        # Drawn in bf16 directly: an fp32 draw of the record shape's weights would need 45 GB.
-        normal = lambda i, shp, scale: (  # noqa: E731
-            jax.random.normal(k[i], shp, jnp.bfloat16) * jnp.bfloat16(scale))
-        return (normal(0, (R * S, H), 1.0), jax.random.uniform(k[1], (R * S, K), _F32),
-                normal(2, (E, H, 2 * F), H ** -0.5), normal(3, (E, F, H), F ** -0.5),
-                normal(4, (R * S, H), 1.0))
-
-    return draw(jax.random.key(7777))
+    draw = jax.jit(draw_inputs, static_argnums=(1, 2, 3), out_shardings=(split,) * 5)
+    return draw(jax.random.key(7777), shape, R * shape.S, shape.E)
 
 
 # ---- the methods: per-rank layers ---------------------------------------------------------------
@@ -277,6 +291,19 @@ def training_step(layer, mesh):
         return jax.grad(loss, argnums=(0, 1, 2, 3))(x, topk_w, w_gate_up, w_down)
 
     return jax.jit(step)
+
+
+def per_rank_training_step(layer, mesh):
+    """`training_step` with no collective of XLA's own (`--processes`: NCCL refuses two ranks on
+    one GPU): inside the shard_map, each rank pulls back its own `d_out` through the layer (the
+    cotangent of `sum(out * d_out)`, so the same gradients) instead of summing a global loss."""
+
+    def step(x, topk_idx, topk_w, w_gate_up, w_down, d_out):
+        _, pullback = jax.vjp(lambda *a: layer(a[0], topk_idx, *a[1:]), x, topk_w, w_gate_up,
+                              w_down)
+        return pullback(d_out)
+
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 
 
 # ---- measuring ----------------------------------------------------------------------------------
@@ -743,6 +770,82 @@ def main_one_gpu(args) -> None:
     print(f"wrote {', '.join(str(o / stem) + '.json' for o in outs)} ({record['seconds']:.0f} s)")
 
 
+# ---- --processes N: one EP rank per process ----------------------------------------------------
+
+# Fits N=2 processes' weights, replica slots, gradients and activations in one H200 with room to
+# spare (the record shape needs most of a GPU per rank): 64 local experts, S*K = 32768 rows.
+PROCESS_SHAPE = Shape(S=4096, H=7168, K=8, E=128, F=2048)
+# Two ends of the sweep, to keep the run on one shared GPU short.
+PROCESS_MAXVIOS = (1.0, 20.0)
+PROCESS_REPS = 5
+
+
+def run_ranks(args) -> None:
+    """One EP rank of `--processes N` (every process of the launched job runs this): moe_ffn
+    forward + backward (CUDA; xla on CPU) timed on this rank at each maxvio; process 0 gathers
+    every rank's times and writes the record after each point."""
+    mesh = _processes.ep_mesh()
+    R, rank, first = mesh.size, _processes.my_rank(mesh), jax.process_index() == 0
+    impl = _processes.implementation()
+    shape = quick_shape(R) if args.quick else PROCESS_SHAPE
+    cfg = moonep_jax.EPConfig(num_experts=shape.E, top_k=shape.K, tokens_per_rank=shape.S,
+                              hidden=shape.H, ffn_hidden=shape.F, num_ranks=R,
+                              implementation=impl, cuda=_processes.cuda_options())
+    method = f"moonep_{impl}"
+    skipped = _processes.skipped_methods(("a2a_pad_gmm", "ragged_a2a_dot"))
+    reps = args.reps or PROCESS_REPS
+    record = {"schema": "moonep_jax.bench_layer_processes/1", **_processes.provenance(R),
+              "shape": dataclasses.asdict(shape), "dtype": "bfloat16", "num_ranks": R,
+              "implementation": impl, "nvs": cfg.nvs, "prefetch_slots": cfg.num_slots,
+              "reps": reps, "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+              "step": "jax.jit(jax.shard_map) of jax.vjp of the layer, each rank pulling back its "
+                      "d_out (= the gradients of sum(out * d_out)) w.r.t. x, topk_w, w_gate_up, "
+                      "w_down",
+              "methods": [method], "skipped_methods": skipped,
+              "not_measured": {"prefetch": "prefetch bandwidth: single-process runs only"},
+              "points": []}
+    stem = _processes.stem("bench_layer", R, args.quick)
+    outs = [args.out] if args.out else [pathlib.Path(__file__).parent / "results"]
+    if first:
+        print(f"bench_layer --processes {R}: {record['process_layout']}, shape {shape}, {impl}, "
+              f"B={cfg.num_slots}\n  NOTE: {record['timing_note']}", flush=True)
+    x, topk_w, w_gate_up, w_down, d_out = _processes.draw_on_rank(
+        mesh, rank, lambda key: draw_inputs(key, shape, shape.S, shape.E // R))
+    step, compiled, memory = per_rank_training_step(moonep_layer(cfg), mesh), None, None
+    barrier = _processes.barrier("bench_layer")
+    for i, maxvio in enumerate(args.maxvios):
+        topk_idx, sigma, realised = routing.lognormal_for_maxvio(
+            jax.random.key(1234), R, shape.S, shape.K, shape.E, maxvio)
+        topk_idx = _processes.put(mesh, np.asarray(topk_idx).reshape(R * shape.S, shape.K))
+        step_args = (x, topk_idx, topk_w, w_gate_up, w_down, d_out)
+        if compiled is None:  # shapes do not depend on maxvio: one compile
+            t0 = time.perf_counter()
+            compiled = _processes.compiled_together(step, step_args, barrier)
+            memory = memory_of(compiled)
+            if first:
+                print(f"compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+        times = _common.time_calls(compiled, step_args, reps, barrier)
+        everyone = _processes.gather(f"bench_layer/point{i}", {"rank": rank, "times_ms": times,
+                                                               "memory": memory})
+        if not first:
+            continue
+        per_rank = sorted(({"rank": v["rank"], "times_ms": v["times_ms"],
+                            "median_ms": float(np.median(v["times_ms"])), "memory": v["memory"]}
+                           for v in everyone), key=lambda v: v["rank"])
+        result = {"method": method, "status": "ok", **_processes.across_ranks(per_rank),
+                  "memory_source": "compiled.memory_analysis() per device"}
+        record["points"].append({"maxvio_target": maxvio, "maxvio_measured": realised,
+                                 "sigma": sigma, "results": [result]})
+        for out in outs:
+            _common.write_json(out / f"{stem}.json", record)
+        print(f"maxvio {maxvio:5.1f} {method} fwd+bwd: max over ranks {result['median_ms']:9.3f} "
+              f"ms (per rank {', '.join(f'{t:.3f}' for t in result['median_ms_per_rank'])})",
+              flush=True)
+    if first:
+        print(f"  NOTE: {record['timing_note']}\nwrote "
+              f"{', '.join(str(o / stem) + '.json' for o in outs)}", flush=True)
+
+
 def plan_tile_m() -> int:
     try:
         from moonep_jax._cuda import gemm
@@ -774,9 +877,17 @@ def main():
     parser.add_argument("--ncu-timeout", type=float, default=NCU_TIMEOUT_S,
                         help=f"seconds for the ncu run (default {NCU_TIMEOUT_S})")
     parser.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--processes", type=int, default=1,
+                        help="one EP rank per process, N local processes (on GPU all sharing "
+                             "GPU 0 under MPS: not NVLink figures) at PROCESS_SHAPE; times "
+                             "moonep's fwd+bwd only")
     args = parser.parse_args()
     if args.ncu_child:
         ncu_child(args)
+        return
+    if args.processes > 1:
+        args.maxvios = PROCESS_MAXVIOS
+        _processes.spawn(__file__, "run_ranks", args.processes, args)
         return
     if args.one_gpu or args.ncu or len(jax.devices()) == 1:
         main_one_gpu(args)

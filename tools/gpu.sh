@@ -17,7 +17,9 @@
 # when a test failed (a kernel under test that hangs would otherwise hang every benchmark too).
 # GPU_SKIP_TESTS=1 runs the benchmarks alone (the device tool allows 10 minutes a command: the
 # tests and all benchmarks do not fit in one); GPU_BENCH_TIMEOUT (300 s) bounds each benchmark.
-# Quote a BENCH spec with several arguments: 'bench_layer:--one-gpu --ncu'.
+# Quote a BENCH spec with several arguments: 'bench_layer:--one-gpu --ncu'; on one GPU,
+# 'bench_dispatch:--processes 2' 'bench_layer:--processes 2' run one EP rank per process
+# (2 processes sharing the GPU under MPS, started by the benchmark).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

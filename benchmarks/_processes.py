@@ -1,0 +1,196 @@
+"""`--processes N` of the benchmarks: one EP rank per process, timed together, gathered at 0.
+
+The benchmark script (the parent) spawns N local processes with `moonep_jax.launch` and stays off
+the GPU itself. On a GPU host all N share GPU 0 under MPS (`launch.mps`), each with 1/N of its
+memory; on CPU each has one CPU device and XLA's CPU collectives go through gloo (the path's
+CPU test). Every process owns one rank of a 1-D ("ep",) mesh, times its own calls after a
+warm-up with a barrier through jax.distributed's key-value store before every repetition (so that
+no rank starts a repetition while a peer is still in the previous one), and process 0 gathers
+every rank's results through the same store and writes the record.
+
+XLA's GPU collectives (NCCL) refuse two ranks on one GPU, so on GPU only moonep_jax's CUDA ops
+are timed and the baselines built on XLA collectives are recorded as skipped (`NCCL_REFUSES`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moonep_jax import _distributed, _ffi, launch
+
+import _common
+
+NOT_NVLINK = ("N processes share ONE GPU under MPS: all ranks run on the same SMs and HBM and the "
+              "'link' between ranks is that GPU's HBM, so these times are NOT NVLink figures (nor "
+              "what one GPU per rank would give); bytes/s are HBM traffic of the one GPU")
+CPU_ONLY = ("N processes on the CPU backend (gloo), implementation 'xla': a harness check of the "
+            "multi-process path, not a performance figure")
+NCCL_REFUSES = ("left out of --processes: XLA's GPU collectives (NCCL) refuse two ranks on one "
+                "GPU, and on CPU --processes times the moonep ops only")
+# Each process's share of the one GPU's memory (XLA preallocates its pool: the transport maps it
+# once at bootstrap); the rest is left for the N CUDA contexts and the MPS server.
+GPU_MEMORY_SHARE = 0.9
+# Bounds: the whole job stays under tools/gpu.sh's GPU_BENCH_TIMEOUT (300 s); one wait for peers
+# covers a peer's compile.
+JOB_TIMEOUT_S = 280.0
+WAIT_S = 120.0
+# The ranks' CUDA waits for each other (CudaOptions.timeout_s, 10 s by default): ranks sharing one
+# GPU start their calls a host round trip apart and an MPS client may be descheduled for a while.
+CUDA_WAIT_S = 60.0
+
+
+def platform() -> str:
+    """'gpu' when this host shows a GPU and the CUDA extension is built, else 'cpu'."""
+    if os.environ.get("JAX_PLATFORMS") == "cpu" or launch.visible_gpu_count() == 0:
+        return "cpu"
+    return "gpu" if _ffi.available() else "cpu"
+
+
+def layout(n: int, where: str) -> str:
+    if where == "gpu":
+        return f"{n} processes sharing one GPU under MPS, one EP rank each"
+    return f"{n} processes on the CPU backend (gloo), one EP rank (one CPU device) each"
+
+
+def spawn(script: str, entry: str, n: int, args) -> None:
+    """Runs `entry(args)` of the file `script` in `n` processes (one EP rank each) and waits for
+    them; raises `launch.LaunchError` when one fails (the others are then killed) or after
+    JOB_TIMEOUT_S. Their output goes to this process's stdout."""
+    jax.config.update("jax_platforms", "cpu")  # the parent never takes the ranks' GPU memory
+    where = platform()
+    target = f"{pathlib.Path(script).resolve()}:{entry}"
+    print(f"spawning {layout(n, where)}", flush=True)
+    if where == "cpu":
+        launch.run(target, n, (args,), timeout_s=JOB_TIMEOUT_S, stream_output=True)
+        return
+    with launch.mps() as mps_env:
+        env = dict(mps_env, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{GPU_MEMORY_SHARE / n:.4f}",
+                   XLA_PYTHON_CLIENT_PREALLOCATE="true")
+        launch.run(target, n, (args,), platform="gpu", env=env, timeout_s=JOB_TIMEOUT_S,
+                   stream_output=True)
+
+
+# ---- inside a rank's process --------------------------------------------------------------------
+
+
+def ep_mesh() -> jax.sharding.Mesh:
+    """("ep",) mesh over the job's devices (one per process), in device-id order; on GPU with
+    the CUDA transport bootstrapped on it (each peer's pool mapped once)."""
+    if jax.local_device_count() != 1:
+        raise RuntimeError(f"--processes: each process must own one device; process "
+                           f"{jax.process_index()} has {jax.local_device_count()}")
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    mesh = jax.sharding.Mesh(np.array(devices), ("ep",),
+                             axis_types=(jax.sharding.AxisType.Explicit,))
+    if implementation() == "cuda":
+        import moonep_jax
+
+        moonep_jax.bootstrap(mesh, "ep")
+    return mesh
+
+
+def implementation() -> str:
+    """What the ranks time: the CUDA ops on GPU; on CPU the xla ones stand in."""
+    return "cuda" if jax.default_backend() == "gpu" else "xla"
+
+
+def skipped_methods(baselines: tuple[str, ...]) -> dict:
+    """Why each method that `--processes` leaves out is left out."""
+    skipped = {name: NCCL_REFUSES for name in baselines}
+    if implementation() == "cuda":
+        skipped["moonep_xla"] = NCCL_REFUSES
+    else:
+        skipped["moonep_cuda"] = "needs the CUDA extension and a GPU"
+    return skipped
+
+
+def my_rank(mesh: jax.sharding.Mesh) -> int:
+    """This process's EP rank: its device's position on the mesh."""
+    return list(mesh.devices.flat).index(jax.local_devices()[0])
+
+
+def put(mesh, value: np.ndarray) -> jax.Array:
+    """The global array `value` (the same in every process), split over "ep" on axis 0."""
+    return jax.make_array_from_callback(value.shape, NamedSharding(mesh, P("ep")),
+                                        lambda index: value[index])
+
+
+def draw_on_rank(mesh, rank: int, draw) -> tuple[jax.Array, ...]:
+    """`draw(key)`'s arrays as this rank's shards of global "ep"-split arrays: drawn on its own
+    device from a key of its own, with no collective (NCCL refuses two ranks on one GPU) and no
+    host draw (numpy takes tens of seconds for the record shape's rows)."""
+    split = NamedSharding(mesh, P("ep"))
+    with jax.default_device(jax.local_devices()[0]):
+        mine = jax.jit(draw)(jax.random.fold_in(jax.random.key(7777), rank))
+    return tuple(jax.make_array_from_single_device_arrays((mesh.size * a.shape[0], *a.shape[1:]),
+                                                          split, [a]) for a in mine)
+
+
+def local(array: jax.Array) -> np.ndarray:
+    """This process's shard of an "ep"-split array, on the host."""
+    (shard,) = array.addressable_shards
+    return np.asarray(shard.data)
+
+
+def cuda_options():
+    """The CudaOptions of the ranks' configs: the default knobs, a longer bound on waits."""
+    import moonep_jax
+
+    return moonep_jax.CudaOptions(timeout_s=CUDA_WAIT_S)
+
+
+def compiled_together(fn, args, barrier) -> object:
+    """The jitted `fn` compiled for `args`, returned once every process has compiled it: a rank's
+    first call must not wait in a kernel for a peer that is still compiling."""
+    compiled = fn.lower(*args).compile()
+    barrier()
+    return compiled
+
+
+def barrier(tag: str):
+    """A callable that makes every process of the job meet (a fresh barrier name each call)."""
+    count = iter(range(1 << 30))
+    return lambda: _distributed.barrier(f"moonep_bench/{tag}/{next(count)}", WAIT_S)
+
+
+def gather(key: str, value) -> list | None:
+    """Every process's JSON-able `value`, in process order, at process 0 (None elsewhere)."""
+    me = jax.process_index()
+    _distributed.put(f"moonep_bench/{key}/{me}", json.dumps(value))
+    if me != 0:
+        return None
+    return [json.loads(_distributed.get(f"moonep_bench/{key}/{p}", WAIT_S, f"process {p}'s {key}"))
+            for p in range(jax.process_count())]
+
+
+def across_ranks(per_rank: list[dict]) -> dict:
+    """Times of one op on every rank (`per_rank[i]` of rank i: times_ms, median_ms) and the
+    slowest rank's median (the op ends when its last rank does)."""
+    medians = [r["median_ms"] for r in per_rank]
+    return {"per_rank": per_rank, "median_ms": max(medians),
+            "slowest_rank": int(np.argmax(medians)), "median_ms_per_rank": medians}
+
+
+def provenance(n: int) -> dict:
+    """`_common.provenance()` plus the process layout and what the times mean."""
+    where = jax.default_backend()
+    return {**_common.provenance(), "processes": n, "process_layout": layout(n, where),
+            "physical_gpus": 1 if where == "gpu" else 0,
+            "timing_note": NOT_NVLINK if where == "gpu" else CPU_ONLY,
+            "timing": "each rank times its own calls: median of reps after a warm-up, a barrier "
+                      "(jax.distributed key-value store) before each repetition; median_ms of an "
+                      "op is the max over ranks"}
+
+
+def stem(bench: str, n: int, quick: bool) -> str:
+    """File name of the record: GPU model x1 (all ranks on one GPU) and the process count."""
+    count = 1 if jax.default_backend() == "gpu" else n
+    return (f"{bench}_{_common.device_tag(count)}_{n}proc" + ("_mps" if count == 1 else "")
+            + ("_quick" if quick else ""))

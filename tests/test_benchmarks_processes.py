@@ -1,0 +1,68 @@
+"""`bench_dispatch` and `bench_layer --processes 2 --quick` run end to end on CPU (gloo, xla).
+
+The GPU runner runs the same path with N processes sharing one GPU under MPS; here it must not
+first fail on the harness: spawning the ranks, the barriers, the gather at process 0 and the
+record, which must hold every rank's times and say what the times are not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+# Each run starts 3 Python processes and compiles the quick shape (~15 s on 2 cores).
+pytestmark = pytest.mark.slow
+
+
+def _run(name: str, out: Path) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--processes", "2",
+                           "--quick", "--out", str(out)], env=env, capture_output=True,
+                          text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "not a performance figure" in proc.stdout
+    (path,) = out.glob(f"{name}_cpux2_2proc_quick.json")
+    return json.loads(path.read_text())
+
+
+def _check_per_rank(record: dict, ops: int) -> None:
+    assert record["processes"] == 2 and "2 processes" in record["process_layout"]
+    assert record["timing_note"]
+    assert len(record["points"]) == 2  # maxvio 1 and 20
+    for point in record["points"]:
+        assert len(point["results"]) == ops
+        for result in point["results"]:
+            assert result["status"] == "ok"
+            assert [r["rank"] for r in result["per_rank"]] == [0, 1]
+            for r in result["per_rank"]:
+                assert len(r["times_ms"]) == record["reps"] and min(r["times_ms"]) > 0
+            assert result["median_ms"] == max(r["median_ms"] for r in result["per_rank"])
+
+
+def test_bench_dispatch_two_processes_on_cpu(tmp_path):
+    record = _run("bench_dispatch", tmp_path)
+    _check_per_rank(record, ops=3)
+    assert {"all_to_all_pad", "ragged_a2a", "moonep_cuda"} <= set(record["skipped_methods"])
+    for point in record["points"]:
+        assert point["ranks"] == [0, 1]
+        for op in ("plan", "dispatch", "combine"):
+            moved = point["hbm_bytes"][op]
+            assert len(moved["read"]) == len(moved["written"]) == 2
+            assert min(moved["read"]) > 0 and min(moved["written"]) > 0
+        # Every rank's entries are received somewhere; primaries are at most the entries.
+        assert sum(map(sum, point["entries_to"])) == sum(point["entries"])
+        assert all(p <= e for p, e in zip(point["primary_rows"], point["entries"]))
+        for result in point["results"]:
+            assert len(result["hbm_gbps_per_rank"]) == 2 and result["hbm_gbps_all_ranks"] > 0
+
+
+def test_bench_layer_two_processes_on_cpu(tmp_path):
+    record = _run("bench_layer", tmp_path)
+    _check_per_rank(record, ops=1)
+    assert {"a2a_pad_gmm", "ragged_a2a_dot", "moonep_cuda"} <= set(record["skipped_methods"])
