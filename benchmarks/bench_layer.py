@@ -358,7 +358,7 @@ def prefetch_bandwidth(mesh, cfg, shape: Shape, topk_idx, w_gate_up, w_down, rep
     slots = np.asarray(plans.experts_to_copy).reshape(cfg.num_ranks, cfg.num_ranks, -1)
     used = np.array([(slots[r, r] >= 0).sum() for r in range(cfg.num_ranks)])
     expert_bytes = 2 * (shape.H * 2 * shape.F + shape.F * shape.H)
-    layer_prefetch = functools.partial(_checks.backend("prefetch", cfg), cfg=cfg,
+    layer_prefetch = functools.partial(_checks.implementation(cfg).prefetch, cfg=cfg,
                                        zero_unused_slots=False)  # what moe_ffn calls
     result = {"replicas_per_rank": used.tolist(),
               "bytes_slowest_rank": int(used.max() * expert_bytes)}

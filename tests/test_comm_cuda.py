@@ -235,7 +235,7 @@ def test_combine_weights_bitwise_equal_to_xla(mesh, seed, maxvio):
 
     def per_rank(topk_idx, recv_w):
         p = plan(topk_idx, cfgs["xla"])
-        return _stack({impl: _checks.backend("combine_weights", cfg)(recv_w, p, cfg)
+        return _stack({impl: _checks.implementation(cfg).combine_weights(recv_w, p, cfg)
                        for impl, cfg in cfgs.items()})
 
     out = _per_rank(per_rank, mesh)(topk_idx, recv_w)
