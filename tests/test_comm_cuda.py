@@ -277,6 +277,14 @@ def test_prefetch_copies_home_weights_exactly(mesh, seed, num_slots, dtype):
                 np.testing.assert_array_equal(used_only[r, b], expected)
 
 
+def _reduce_grad_case(mesh, seed: int, maxvio: float):
+    """(R, configs, epn, B, rng, global topk_idx) of a reduce_grad test."""
+    R = mesh.devices.size
+    cfgs = _configs(R)
+    return (R, cfgs, cfgs["xla"].epn, cfgs["xla"].num_slots, np.random.default_rng(seed),
+            _routing(seed, R, maxvio, cfgs["xla"]))
+
+
 def _spread(rng, n):
     """`n` fp32 [8, 12] matrices with magnitudes spread over 2^-20 .. 2^20: any summation order
     other than the contract's changes the bits."""
@@ -286,11 +294,7 @@ def _spread(rng, n):
 
 @pytest.mark.parametrize("maxvio", (1.0, 20.0))
 def test_reduce_grad_bitwise_equal_to_xla_and_rank_slot_order(mesh, seed, maxvio):
-    R = mesh.devices.size
-    cfgs = _configs(R)
-    epn, B = cfgs["xla"].epn, cfgs["xla"].num_slots
-    rng = np.random.default_rng(seed)
-    topk_idx = _routing(seed, R, maxvio, cfgs["xla"])
+    R, cfgs, epn, B, rng, topk_idx = _reduce_grad_case(mesh, seed, maxvio)
     g_local, g_slots = _spread(rng, R * epn), _spread(rng, R * B)
 
     def per_rank(topk_idx, g_local, g_slots):
@@ -318,11 +322,7 @@ def test_reduce_grad_into_bf16_from_partials_bitwise_equal_to_xla(mesh, seed, ma
     from moonep_jax import _xla
     from moonep_jax._cuda import ops as cuda_ops
 
-    R = mesh.devices.size
-    cfgs = _configs(R)
-    epn, B = cfgs["xla"].epn, cfgs["xla"].num_slots
-    rng = np.random.default_rng(seed)
-    topk_idx = _routing(seed, R, maxvio, cfgs["xla"])
+    R, cfgs, epn, B, rng, topk_idx = _reduce_grad_case(mesh, seed, maxvio)
     g_partial, g_slots = _spread(rng, R * epn), _spread(rng, R * B)
     g = _spread(rng, R * epn).astype(jnp.bfloat16)
     impls = {"xla": _xla.reduce_grad, "cuda": cuda_ops.reduce_grad}

@@ -124,35 +124,18 @@ class GroupedGemm:
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), tensor,
             cute.slice_(smem_staged, (None, None, 0)), tile_shape)
 
-    def _shared_storage(self):
-        num_stages, ab_dtype, align = self.num_stages, self.ab_dtype, self.buffer_align_bytes
+    def _shared_storage(self, epilogue_staged=None):
+        """Shared memory: the pipeline's barriers and A/B stages and, with `epilogue_staged`, one
+        `TILE_M x TILE_N` tile that the TMA-store epilogue stages the output in (dW)."""
+        def buffer(layout):
+            return cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(layout)], self.buffer_align_bytes]
 
-        @cute.struct
-        class SharedStorage:
-            pipeline_barriers: cute.struct.MemRange[cutlass.Int64, num_stages * 2]
-            sA: cute.struct.Align[
-                cute.struct.MemRange[ab_dtype, cute.cosize(self.a_smem_staged)], align]
-            sB: cute.struct.Align[
-                cute.struct.MemRange[ab_dtype, cute.cosize(self.b_smem_staged)], align]
-
-        return SharedStorage
-
-    def _shared_storage_with_epilogue(self):
-        """The mainloop's storage plus one `TILE_M x TILE_N` tile that the TMA-store epilogue
-        stages the output in (dW)."""
-        num_stages, ab_dtype, align = self.num_stages, self.ab_dtype, self.buffer_align_bytes
-
-        @cute.struct
-        class SharedStorage:
-            pipeline_barriers: cute.struct.MemRange[cutlass.Int64, num_stages * 2]
-            sA: cute.struct.Align[
-                cute.struct.MemRange[ab_dtype, cute.cosize(self.a_smem_staged)], align]
-            sB: cute.struct.Align[
-                cute.struct.MemRange[ab_dtype, cute.cosize(self.b_smem_staged)], align]
-            sC: cute.struct.Align[
-                cute.struct.MemRange[ab_dtype, cute.cosize(self.c_smem_staged)], align]
-
-        return SharedStorage
+        fields = {"pipeline_barriers": cute.struct.MemRange[cutlass.Int64, self.num_stages * 2],
+                  "sA": buffer(self.a_smem_staged), "sB": buffer(self.b_smem_staged)}
+        if epilogue_staged is not None:
+            fields["sC"] = buffer(epilogue_staged)
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ---- ragged M: forward and dX ------------------------------------------------------------
 
@@ -289,7 +272,7 @@ class GroupedGemm:
         tma_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), dw_local,
             cute.slice_(self.c_smem_staged, (None, None, 0)), (TILE_M, TILE_N))
-        self.shared_storage = self._shared_storage_with_epilogue()
+        self.shared_storage = self._shared_storage(self.c_smem_staged)
         num_items = weight_grad_num_items(dw_local, dw_slots)
         self.weight_grad_kernel(
             self.tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c,
