@@ -130,8 +130,19 @@ ffi::Error check_group(const std::vector<RankInfo>& ranks) {
   return ffi::Error::Success();
 }
 
-// Peer access from `device` to the group's other devices of this process. XLA usually enabled it
-// already; the resulting cudaErrorPeerAccessAlreadyEnabled is sticky and must be cleared.
+// Peer access from the current device to `peer`. XLA usually enabled it already; the resulting
+// cudaErrorPeerAccessAlreadyEnabled is sticky and must be cleared.
+ffi::Error enable_peer_access_to(int32_t peer, const char* call) {
+  const cudaError_t err = cudaDeviceEnablePeerAccess(peer, 0);
+  if (err == cudaErrorPeerAccessAlreadyEnabled) {
+    cudaGetLastError();
+  } else if (err != cudaSuccess) {
+    return cuda_error(kWhere, call, err);
+  }
+  return ffi::Error::Success();
+}
+
+// Peer access from `device` (the current device) to the group's other devices of this process.
 ffi::Error enable_peer_access(int32_t device, const std::vector<RankInfo>& ranks) {
   for (const RankInfo& r : ranks) {
     const int32_t peer = r.ordinal;
@@ -145,12 +156,8 @@ ffi::Error enable_peer_access(int32_t device, const std::vector<RankInfo>& ranks
                             " (no NVLink/P2P path); an EP group needs peer access between all "
                             "of its devices.");
     }
-    const cudaError_t err = cudaDeviceEnablePeerAccess(peer, 0);
-    if (err == cudaErrorPeerAccessAlreadyEnabled) {
-      cudaGetLastError();
-    } else if (err != cudaSuccess) {
-      return cuda_error(kWhere, "cudaDeviceEnablePeerAccess", err);
-    }
+    if (auto err = enable_peer_access_to(peer, "cudaDeviceEnablePeerAccess"); err.failure())
+      return err;
   }
   return ffi::Error::Success();
 }
@@ -321,12 +328,10 @@ ffi::Error open_shared_area(const std::vector<int32_t>& ordinals, const std::str
     for (size_t i = 1; i < ordinals.size(); ++i) {
       if (ordinals[i] == owner) continue;
       MOONEP_CUDA_RETURN_IF_ERROR(kWhere, cudaSetDevice(ordinals[i]));
-      const cudaError_t err = cudaDeviceEnablePeerAccess(owner, 0);
-      if (err == cudaErrorPeerAccessAlreadyEnabled) {
-        cudaGetLastError();
-      } else if (err != cudaSuccess) {
-        return cuda_error(kWhere, "cudaDeviceEnablePeerAccess (a peer process's device)", err);
-      }
+      if (auto err = enable_peer_access_to(
+              owner, "cudaDeviceEnablePeerAccess (a peer process's device)");
+          err.failure())
+        return err;
     }
     return ffi::Error::Success();
   });
