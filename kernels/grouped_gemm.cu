@@ -359,10 +359,8 @@ T matrix(const void* data, int32_t rows, int32_t cols, bool transposed) {
   return t;
 }
 
-// The persistent kernels run one CTA per SM of the current device (use_stream_device set it).
-cudaError_t persistent_ctas(int32_t* ctas) {
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+// The persistent kernels run one CTA per SM of `device`.
+cudaError_t persistent_ctas(int device, int32_t* ctas) {
   return cudaDeviceGetAttribute(ctas, cudaDevAttrMultiProcessorCount, device);
 }
 
@@ -381,7 +379,7 @@ cudaError_t launch_gmm_rows(const GmmRowsParams& p, cudaStream_t stream) {
   if (p.overflow && p.num_groups - p.num_slots != p.group.num_ranks * p.num_local)
     return cudaErrorInvalidValue;
   if (cudaError_t e = load_grouped_gemm(); e != cudaSuccess) return e;
-  if (cudaError_t e = cutedsl::use_stream_device(stream); e != cudaSuccess) return e;
+  if (cudaError_t e = cutedsl::use_device(p.device); e != cudaSuccess) return e;
   const int32_t max_tiles = gmm_max_tiles(p.num_rows, p.num_groups);
   const int32_t max_overflow_tiles = gmm_max_tiles(p.num_rows, p.num_groups, kGmmOverflowTileM);
   int32_t* overflow_table =
@@ -399,7 +397,7 @@ cudaError_t launch_gmm_rows(const GmmRowsParams& p, cudaStream_t stream) {
   }
   const int32_t stacked_local = p.num_local * p.d0, stacked_slots = p.num_slots * p.d0;
   int32_t ctas = 0;
-  if (cudaError_t e = persistent_ctas(&ctas); e != cudaSuccess) return e;
+  if (cudaError_t e = persistent_ctas(p.device, &ctas); e != cudaSuccess) return e;
   int32_t status = 0;
   if (p.op == GmmRowsOp::kForward) {
     // B = W in (N, K) orientation: the (D1, mats*D0) view of row-major [mats*D0, D1].
@@ -434,7 +432,7 @@ cudaError_t launch_gmm_dw(const GmmDwParams& p, cudaStream_t stream) {
       p.num_slots < 0 || (p.num_partials != 0 && p.num_partials != p.num_local))
     return cudaErrorInvalidValue;
   if (cudaError_t e = load_grouped_gemm(); e != cudaSuccess) return e;
-  if (cudaError_t e = cutedsl::use_stream_device(stream); e != cudaSuccess) return e;
+  if (cudaError_t e = cutedsl::use_device(p.device); e != cudaSuccess) return e;
   if (p.num_partials > 0) {
     gmm_replica_flags_kernel<<<1, kTableThreads, 0, stream>>>(
         p.experts_to_copy, p.num_copies, p.ep_rank, p.num_local, p.replica_flags);
@@ -455,7 +453,7 @@ cudaError_t launch_gmm_dw(const GmmDwParams& p, cudaStream_t stream) {
   moonep_gmm_dw_Tensor_cu_seqlens_t cu = {const_cast<int32_t*>(p.cu_seqlens), {p.num_groups}};
   moonep_gmm_dw_Tensor_ep_rank_t rank = {const_cast<int32_t*>(p.ep_rank)};
   int32_t ctas = 0;
-  if (cudaError_t e = persistent_ctas(&ctas); e != cudaSuccess) return e;
+  if (cudaError_t e = persistent_ctas(p.device, &ctas); e != cudaSuccess) return e;
   const int32_t status = cute_dsl_moonep_gmm_dw_wrapper(
       dw_module().get(), &a, &b, &dw_local, &dw_partial, &dw_slots, &flags, &cu, &rank,
       p.zero_unused_slots ? 1 : 0, ctas, stream);

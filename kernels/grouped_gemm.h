@@ -47,6 +47,7 @@ enum class GmmRowsOp { kForward, kDx };
 // plan data) gets zero rows.
 struct GmmRowsParams {
   GmmRowsOp op;
+  int32_t device;               // CUDA ordinal of the stream's device
   const void* in;               // [num_rows, D0 (fwd) | D1 (dX)] bf16
   const void* w_local;          // [epn, D0, D1] bf16
   const void* w_slots;          // [B, D0, D1] bf16
@@ -69,6 +70,7 @@ struct GmmRowsParams {
 // dw_partial[j] and dw_local[j] is left for reduce_grad. Slot b's (g = E + b) goes to dw_slots[b]
 // in fp32. Empty groups give zeros, except unused slots with !zero_unused_slots (left unwritten).
 struct GmmDwParams {
+  int32_t device;                 // CUDA ordinal of the stream's device
   const void* x;                  // [num_rows, D0] bf16
   const void* dy;                 // [num_rows, D1] bf16
   void* dw_local;                 // [epn, D0, D1] bf16

@@ -29,18 +29,24 @@ class CudaOptions:
     """Tuning knobs of the CUDA path. They never change results.
 
     Args:
-      num_sms: CTAs used by the communication kernels (dispatch, combine, prefetch, reduce_grad).
-        Bounded so that communication never starves concurrent compute.
+      num_sms: CTAs of the communication kernels (dispatch, combine, prefetch, reduce_grad);
+        None (the default): one per SM of the device. XLA runs these kernels alone on its stream,
+        so every SM would otherwise idle; a smaller number leaves SMs to work that runs
+        concurrently (on one H200 at R = 1, dispatch takes 0.87 ms with 32 CTAs and 0.51 ms with
+        132, combine 0.72 and 0.30 ms).
       timeout_s: upper bound of every cross-GPU wait. A wait that expires reports the EP rank, the
         epoch and what it waited for, instead of hanging the GPU.
     """
 
-    num_sms: int = 32
+    num_sms: int | None = None
     timeout_s: float = 10.0
 
     def __post_init__(self):
-        if not isinstance(self.num_sms, int) or not 1 <= self.num_sms <= 1024:
-            raise ValueError(f"`CudaOptions.num_sms` must be an int in [1, 1024]; got {self.num_sms!r}.")
+        if self.num_sms is not None and (isinstance(self.num_sms, bool)
+                                         or not isinstance(self.num_sms, int)
+                                         or not 1 <= self.num_sms <= 1024):
+            raise ValueError("`CudaOptions.num_sms` must be None (one CTA per SM) or an int in "
+                             f"[1, 1024]; got {self.num_sms!r}.")
         if not self.timeout_s > 0:
             raise ValueError(f"`CudaOptions.timeout_s` must be > 0 seconds; got {self.timeout_s!r}.")
 

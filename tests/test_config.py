@@ -30,3 +30,16 @@ def test_sizes_of_any_integer_type_are_accepted_as_python_ints(integer):
 def test_non_integer_or_small_sizes_are_rejected(bad, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         moonep_jax.EPConfig(**{**SIZES, "top_k": bad})
+
+
+@pytest.mark.parametrize("num_sms", [None, 1, 132, 1024])
+def test_cuda_num_sms_is_none_or_a_bounded_int(num_sms):
+    """None (the default) means one CTA per SM of the device, chosen when an op is traced."""
+    assert moonep_jax.CudaOptions(num_sms=num_sms).num_sms == num_sms
+    assert moonep_jax.CudaOptions().num_sms is None
+
+
+@pytest.mark.parametrize("bad", [0, 1025, True, 32.0])
+def test_cuda_num_sms_out_of_range_is_rejected(bad):
+    with pytest.raises(ValueError, match=r"`CudaOptions.num_sms` must be None \(one CTA per SM\)"):
+        moonep_jax.CudaOptions(num_sms=bad)

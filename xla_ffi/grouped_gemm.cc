@@ -102,6 +102,7 @@ ffi::Error GmmRows(moonep::GmmRowsOp op, const char* target, cudaStream_t stream
   }
   const moonep::GmmRowsParams params{
       .op = op,
+      .device = transport.device_ordinal,
       .in = in.untyped_data(),
       .w_local = w_local.untyped_data(),
       .w_slots = w_slots.untyped_data(),
@@ -145,7 +146,7 @@ ffi::Error GmmDxImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ff
                  {device_ordinal, mesh_devices, num_ranks, timeout_ns});
 }
 
-ffi::Error GmmDwImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> dy,
+ffi::Error GmmDwImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> dy,
                      ffi::Buffer<ffi::S32> cu_seqlens, ffi::Buffer<ffi::S32> ep_rank,
                      ffi::Buffer<ffi::S32> experts_to_copy, ffi::ResultBuffer<ffi::BF16> dw_local,
                      ffi::ResultBuffer<ffi::F32> dw_partial, ffi::ResultBuffer<ffi::F32> dw_slots,
@@ -172,6 +173,7 @@ ffi::Error GmmDwImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
   if (!has_shape(replica_flags->dimensions(), {epn}))
     return shape_error(kTarget, "replica_flags", "[epn]", replica_flags->dimensions());
   const moonep::GmmDwParams params{
+      .device = device_ordinal,
       .x = x.untyped_data(),
       .dy = dy.untyped_data(),
       .dw_local = dw_local->untyped_data(),
@@ -213,14 +215,17 @@ ffi::Error GmmDwImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
       .Attr<int32_t>("num_ranks")                                                    \
       .Attr<int64_t>("timeout_ns")
 
-// NOTE: not kCmdBufferCompatible. The launch goes through the CuTe DSL's exported wrapper, which
-// makes runtime calls that stream capture forbids ("operation not permitted when stream is
-// capturing" on 2xH200 inside a captured layer step), so XLA must launch these handlers directly.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmFwd, GmmFwdImpl, MOONEP_GMM_ROWS_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmDx, GmmDxImpl, MOONEP_GMM_ROWS_BINDING);
+// Capture-safe (XLA command buffers / CUDA graphs): the launchers allocate nothing, make no
+// stream query that capture refuses (kernels/cutedsl/load_module.h) and every kernel they launch
+// is loaded at bootstrap.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmFwd, GmmFwdImpl, MOONEP_GMM_ROWS_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmDx, GmmDxImpl, MOONEP_GMM_ROWS_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmDw, GmmDwImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // x [NvS, D0]
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // dy [NvS, D1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_seqlens [G]
@@ -230,4 +235,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGmmDw, GmmDwImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dw_partial [epn | 0, D0, D1]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dw_slots [B | 0, D0, D1]
                                   .Ret<ffi::Buffer<ffi::S32>>()   // replica_flags scratch [epn]
-                                  .Attr<int32_t>("zero_unused_slots"));
+                                  .Attr<int32_t>("zero_unused_slots"),
+                              {ffi::Traits::kCmdBufferCompatible});

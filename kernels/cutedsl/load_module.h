@@ -64,11 +64,10 @@ class ExportedModule {
   cudaError_t status_ = cudaSuccess;
 };
 
-// Makes `stream`'s device current: the exported wrappers launch on the current device.
-inline cudaError_t use_stream_device(cudaStream_t stream) {
-  int device = 0;
-  if (cudaError_t e = cudaStreamGetDevice(stream, &device); e != cudaSuccess) return e;
-  return cudaSetDevice(device);
-}
+// Makes `device` current: the exported wrappers launch on the current device. The device comes
+// from XLA (the handler's context), not from cudaStreamGetDevice, which stream capture refuses
+// (cudaErrorStreamCaptureUnsupported, in every capture mode): that call was what kept the grouped
+// GEMM handlers out of XLA's command buffers.
+inline cudaError_t use_device(int device) { return cudaSetDevice(device); }
 
 }  // namespace moonep::cutedsl

@@ -53,6 +53,7 @@ _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 # (axis names and sizes of the mesh, EP axis name) -> {table bytes: [num_groups, R] int32 ids}
 _registered: dict[tuple, dict[bytes, np.ndarray]] = {}
 _groups: set[tuple[int, ...]] = set()  # device ids of the groups registered in the extension
+_sm_counts: dict[int, int | None] = {}  # device id -> SMs (JAX's core_count), local devices
 _pools: dict[tuple[int, int], int] = {}  # (peer pid, peer pool base) -> mapped base here
 _lock = threading.Lock()
 
@@ -99,6 +100,9 @@ def bootstrap(mesh: jax.sharding.Mesh, axis_name: str = "ep", *,
         ids = tuple(d.id for d in group)
         if ids in _groups:
             continue
+        for d in group:
+            if d.process_index == jax.process_index():
+                _sm_counts[d.id] = getattr(d, "core_count", None)
         if all(d.process_index == jax.process_index() for d in group):
             lib.register_group([(d.id, d.local_hardware_id, 0, 0, 0, 0) for d in group])
         else:
@@ -148,6 +152,22 @@ def mesh_devices(cfg) -> np.ndarray:
                     f"device {i} in different EP groups ({list(seen[i])} and {list(row)}); "
                     "name their EP axes differently (`EPConfig.axis_name`).")
     return np.asarray(rows, np.int32).reshape(-1)
+
+
+def comm_ctas(cfg) -> int:
+    """CTAs of the communication kernels for a CUDA op traced inside `jax.shard_map` (no side
+    effect): `cfg.cuda.num_sms`, or else one per SM of this process's devices of the bootstrapped
+    mesh (the fewest, should they differ)."""
+    if cfg.cuda.num_sms is not None:
+        return cfg.cuda.num_sms
+    ids = [int(i) for i in mesh_devices(cfg)]  # takes _lock itself
+    with _lock:
+        counts = [_sm_counts[i] for i in ids if i in _sm_counts]
+    if not counts or not all(isinstance(c, int) and c > 0 for c in counts):
+        raise RuntimeError(
+            f"JAX does not report the SM count (`core_count`) of this process's EP devices "
+            f"({counts}); set `CudaOptions(num_sms=...)` in the EPConfig.")
+    return min(counts)
 
 
 def device_table(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
