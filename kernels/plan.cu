@@ -1,15 +1,21 @@
-// The CUDA planner (see plan.h). Four kernels on XLA's stream, per rank:
+// The CUDA planner (see plan.h). Two kernels on XLA's stream, per rank. The serial phases run
+// in the last CTA of each grid to finish ("last CTA done": every CTA fences its writes and takes a
+// ticket in this rank's scratch), so no launch exists only to run one CTA:
 //
-//   plan_count_kernel    (C CTAs)  per-chunk expert histograms and invalid-id counts of the local
-//                                  entries; marks the receive rows of this rank's recv_src /
-//                                  recv_primary as -1.
-//   plan_balance_kernel  (1 CTA)   local counts -> every peer's counts region, recv addresses ->
-//                                  every peer's mailbox, barrier; then, replicated on every rank,
-//                                  B1-B3 and the generation-1 layout of all R destinations.
-//   plan_route_kernel    (C CTAs)  stable rank of each entry within its expert, destination row,
-//                                  duplicate marking; dst locally, recv_src / recv_primary rows
-//                                  straight into the destination's XLA result buffers.
-//   plan_exit_kernel     (1 CTA)   exit barrier: no peer still writes when the call returns.
+//   plan_count_kernel  (C CTAs)  per-chunk expert histograms, their sums per block of
+//                                kChunksPerBlock chunks and the invalid-id count of the local
+//                                entries; marks this rank's recv_src / recv_primary rows as -1.
+//                                Its last CTA: local counts -> every peer's counts region, recv
+//                                addresses -> every peer's mailbox, barrier; then, replicated on
+//                                every rank and in shared memory, B1-B3 and the generation-1
+//                                layout of all R destinations.
+//   plan_route_kernel  (C CTAs)  stable rank of each entry within its expert, destination row,
+//                                duplicate marking; dst locally, recv_src / recv_primary rows
+//                                straight into the destination's XLA result buffers. Its last
+//                                CTA: exit barrier (no peer still writes when the call returns).
+//
+// Only the last CTA of a grid waits on peers, and by then every other CTA of its grid has exited:
+// a rank holds one CTA while it spins, so the peers' grids (other processes under MPS) can run.
 //
 // Every tie rule follows moonep_algorithm.md §3 and moonep_jax/plan.py::_plan_xla exactly.
 #include <climits>
@@ -20,43 +26,90 @@
 namespace moonep {
 namespace {
 
-constexpr int kCountThreads = 256;
-constexpr int kBalanceThreads = 1024;
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+constexpr int kCountThreads = 512;  // also the last CTA's threads for the balancing
 constexpr int kRouteThreads = 256;
 constexpr int kRouteWindow = 2048;  // entries ranked per round of the routing kernel
-constexpr int kChunkLoadBatch = 16;  // independent loads in flight per thread in phase A
 constexpr int kLayoutPerLane = 8;    // consecutive groups per lane in the layout scan
-constexpr int kMaxCandidates = kMaxExperts + kMaxRanks * kMaxRanks;  // see plan_balance_kernel
+constexpr int kMaxCandidates = kMaxExperts + kMaxRanks * kMaxRanks;  // see exchange_and_balance
 constexpr unsigned kFullMask = 0xffffffffu;
+static_assert(kCountThreads / 32 >= kMaxRanks && kCountThreads >= kMaxRanks * kMaxRanks,
+              "the balancing needs a warp per rank and a thread per rank pair");
+
+// Chunks are grouped in blocks of kChunksPerBlock: the count kernel also sums each block's chunk
+// histograms (atomically), so the last CTA reads at most kMaxPlanBlocks rows per expert and a
+// routing CTA at most kChunksPerBlock rows, instead of one row per earlier chunk.
+constexpr int kChunksPerBlock = 16;
+constexpr int kMaxPlanBlocks = ceil_div(kMaxPlanChunks, kChunksPerBlock);
+// ceil(C / kChunksPerBlock) * E <= C * E / kChunksPerBlock + E, and C * E <= kPlanChunkCountInts.
+constexpr int kPlanBlockCountInts = kPlanChunkCountInts / kChunksPerBlock + kMaxExperts;
 
 constexpr int kMailboxRecvSrc = mailbox_slot(kOpPlan, 0);
 constexpr int kMailboxRecvPrimary = mailbox_slot(kOpPlan, 1);
 constexpr int kBarrierExchange = barrier_slot(kOpPlan, 0);
 constexpr int kBarrierExit = barrier_slot(kOpPlan, 1);
 
+// Counters in the planner scratch; each is zero between calls (the area is zeroed at creation and
+// the last CTA of the grid that uses it resets it).
+enum PlanCounter : int {
+  kCountTicket = 0,   // count CTAs done
+  kRouteTicket = 1,   // routing CTAs done
+  kInvalidTotal = 2,  // entries with ids outside [-1, E)
+  kNumPlanCounters = 3,
+};
+
 // Planner scratch in this rank's PeerArea (ints). Strides use the static maxima.
 constexpr int kChunkCountsOff = 0;                                          // [chunks][E]
-constexpr int kChunkInvalidOff = kChunkCountsOff + kPlanChunkCountInts;      // [chunks]
-constexpr int kRankBaseOff = kChunkInvalidOff + kMaxPlanChunks;              // [E]
-constexpr int kAllocOff = kRankBaseOff + kMaxExperts;                        // [E][R]
-constexpr int kAllocCumOff = kAllocOff + kMaxExperts * kMaxRanks;            // [E][R]
-constexpr int kExpertOffOff = kAllocCumOff + kMaxExperts * kMaxRanks;        // [R][E]
-constexpr int kScratchEnd = kExpertOffOff + kMaxRanks * kMaxExperts;
+constexpr int kBlockCountsOff = kChunkCountsOff + kPlanChunkCountInts;      // [blocks][E]
+constexpr int kBlockBaseOff = kBlockCountsOff + kPlanBlockCountInts;        // [blocks][E]
+constexpr int kRankBaseOff = kBlockBaseOff + kPlanBlockCountInts;           // [E]
+constexpr int kAllocCumOff = kRankBaseOff + kMaxExperts;                    // [E][R]
+constexpr int kExpertOffOff = kAllocCumOff + kMaxExperts * kMaxRanks;       // [R][E]
+constexpr int kCountersOff = kExpertOffOff + kMaxRanks * kMaxExperts;       // [kNumPlanCounters]
+constexpr int kScratchEnd = kCountersOff + kNumPlanCounters;
 static_assert(kScratchEnd <= kPlanScratchInts, "planner scratch must fit PeerArea::plan_scratch");
 
 struct Scratch {
-  int32_t* chunk_counts;  // per-chunk histogram; after balancing, the chunk's exclusive base
-  int32_t* chunk_invalid; // per chunk: entries with ids outside [-1, E)
+  int32_t* chunk_counts;  // per-chunk histogram
+  int32_t* block_counts;  // per-block sum of the chunk histograms (zero between calls)
+  int32_t* block_base;    // [blocks][E] entries of expert e in earlier blocks of this rank
   int32_t* rank_base;     // [E] entries of expert e on ranks < this rank
-  int32_t* alloc;         // [E][R] entries of expert e computed on rank d
-  int32_t* alloc_cum;     // [E][R] inclusive prefix of alloc over d
+  int32_t* alloc_cum;     // [E][R] inclusive prefix over d of alloc[e][d]
   int32_t* expert_off;    // [R][E] first row of expert e's group on rank d (stale if empty)
+  int32_t* counters;      // [kNumPlanCounters]
 };
 
 __device__ __forceinline__ Scratch scratch_of(const GroupView& g) {
   int32_t* s = own_area(g)->plan_scratch;
-  return Scratch{s + kChunkCountsOff, s + kChunkInvalidOff, s + kRankBaseOff,
-                 s + kAllocOff,       s + kAllocCumOff, s + kExpertOffOff};
+  return Scratch{s + kChunkCountsOff, s + kBlockCountsOff, s + kBlockBaseOff, s + kRankBaseOff,
+                 s + kAllocCumOff,    s + kExpertOffOff,   s + kCountersOff};
+}
+
+__device__ __forceinline__ uint32_t atom_add_acq_rel_gpu(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+               : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+// Called by every thread of every CTA of the grid: whether this CTA is the last one to get here.
+// Every thread's earlier writes (peer stores included) are fenced at system scope before its CTA
+// takes the ticket, so the last CTA sees them, and a barrier it then passes publishes them to the
+// peers (kernels/transport.cuh::barrier). The last CTA resets the ticket: no CTA of this grid
+// takes one any more, and the next call's kernels start after this grid has ended.
+__device__ bool last_cta_done(int32_t* ticket) {
+  __shared__ bool last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t* t = reinterpret_cast<uint32_t*>(ticket);
+    last = atom_add_acq_rel_gpu(t, 1u) + 1u == gridDim.x;
+    if (last) *t = 0;
+  }
+  __syncthreads();
+  if (last) __threadfence();  // every thread of the last CTA reads after the acquire
+  return last;
 }
 
 __device__ __forceinline__ int warp_inclusive_sum(int v) {
@@ -75,41 +128,7 @@ __device__ __forceinline__ int warp_argmax_first(int value, int* max_out) {
   return __ffs(__ballot_sync(kFullMask, value == m)) - 1;
 }
 
-// ---- kernel 1: histograms ------------------------------------------------------------------
-
-__global__ void __launch_bounds__(kCountThreads)
-    plan_count_kernel(const PlanParams p, int tokens_per_chunk) {
-  __shared__ int hist[kMaxExperts];
-  __shared__ int invalid_count;
-  const int E = p.num_experts, tid = threadIdx.x, chunk = blockIdx.x;
-  const Scratch s = scratch_of(p.group);
-  for (int e = tid; e < E; e += blockDim.x) hist[e] = 0;
-  if (tid == 0) invalid_count = 0;
-  __syncthreads();
-
-  const int begin = chunk * tokens_per_chunk * p.top_k;
-  const int end = min(p.num_tokens, (chunk + 1) * tokens_per_chunk) * p.top_k;
-  for (int i = begin + tid; i < end; i += blockDim.x) {
-    const int id = p.topk_idx[i];
-    if (id >= 0 && id < E) {
-      atomicAdd(&hist[id], 1);
-    } else if (id != -1) {  // invalid: dropped like -1, never used as an index, counted
-      atomicAdd(&invalid_count, 1);
-    }
-  }
-  __syncthreads();
-  for (int e = tid; e < E; e += blockDim.x) s.chunk_counts[chunk * E + e] = hist[e];
-  if (tid == 0) s.chunk_invalid[chunk] = invalid_count;
-  // Rows nobody owns stay -1. Peers write their rows only after the exchange barrier, which
-  // orders these stores before theirs.
-  for (int r = chunk * blockDim.x + tid; r < p.nvs; r += gridDim.x * blockDim.x) {
-    p.recv_src[r] = -1;
-    p.recv_primary[r] = -1;
-  }
-  __threadfence_system();
-}
-
-// ---- kernel 2: exchange and balancing ------------------------------------------------------
+// ---- the last count CTA: exchange and balancing ---------------------------------------------
 
 // B2 (one warp, lane d = rank d): the most overloaded rank (first on ties) fills the most
 // underloaded one (first on ties) completely; at most R-1 rounds.
@@ -133,6 +152,7 @@ __device__ void rank_transfers(int num_ranks, const int* group_tokens, int total
 
 // B3 for home rank h (one warp): serve the largest quota (first rank on ties) from the expert
 // with the most entries left (first local index on ties), until no quota or no entry is left.
+// Only this warp touches the rows of home h's experts in `remaining` and `alloc` (shared memory).
 __device__ void split_home(int h, int num_ranks, int epn, int* remaining, const int (*z)[kMaxRanks],
                            int32_t* alloc) {
   const int lane = threadIdx.x & 31;
@@ -155,9 +175,8 @@ __device__ void split_home(int h, int num_ranks, int epn, int* remaining, const 
     if (lane == 0) {
       const int e = first + le;
       remaining[e] -= take;
-      // Reductions without a return value do not wait for memory; the loop never stalls on them.
-      atomicAdd(&alloc[e * num_ranks + d], take);
-      atomicSub(&alloc[e * num_ranks + h], take);
+      alloc[e * num_ranks + d] += take;
+      alloc[e * num_ranks + h] -= take;
     }
     if (lane == d) quota -= take;
     __syncwarp();
@@ -165,10 +184,10 @@ __device__ void split_home(int h, int num_ranks, int epn, int* remaining, const 
 }
 
 // Phase C for destination d (one warp): group g < E is global expert g (empty when slotted),
-// group E + b is slot b; groups padded to tp and laid out back to back. Each lane takes
-// kLayoutPerLane consecutive groups per tile, so a tile costs one or two memory latencies.
+// group E + b is slot b (expert slot_expert[b], -1 unused); groups padded to tp and laid out back
+// to back. Each lane takes kLayoutPerLane consecutive groups per tile; inputs are in shared memory.
 __device__ void layout_destination(const PlanParams& p, int d, const uint32_t* slotted,
-                                   const Scratch& s) {
+                                   const int* slot_expert, const int32_t* alloc, const Scratch& s) {
   const int lane = threadIdx.x & 31;
   const int E = p.num_experts, B = p.num_slots, R = p.group.num_ranks, tp = p.token_padding;
   const int G = E + B;
@@ -177,22 +196,13 @@ __device__ void layout_destination(const PlanParams& p, int d, const uint32_t* s
   for (int tile = 0; tile < G; tile += 32 * kLayoutPerLane) {
     const int first = tile + lane * kLayoutPerLane;
     int expert[kLayoutPerLane], count[kLayoutPerLane];
-#pragma unroll
-    for (int k = 0; k < kLayoutPerLane; ++k) {
-      const int g = first + k;
-      expert[k] = -1;
-      count[k] = 0;
-      if (g < E) {
-        expert[k] = g;
-        count[k] = (slotted[g >> 5] >> (g & 31)) & 1u ? 0 : s.alloc[g * R + d];
-      } else if (g < G) {
-        expert[k] = p.experts_to_copy[d * B + (g - E)];
-      }
-    }
     int lane_rows = 0;
 #pragma unroll
     for (int k = 0; k < kLayoutPerLane; ++k) {
-      if (first + k >= E && expert[k] >= 0) count[k] = s.alloc[expert[k] * R + d];
+      const int g = first + k;
+      expert[k] = g < E ? g : g < G ? slot_expert[g - E] : -1;
+      const bool empty = expert[k] < 0 || (g < E && ((slotted[g >> 5] >> (g & 31)) & 1u));
+      count[k] = empty ? 0 : alloc[expert[k] * R + d];
       lane_rows += (count[k] + tp - 1) / tp * tp;
     }
     const int inclusive = warp_inclusive_sum(lane_rows);
@@ -217,11 +227,38 @@ __device__ void layout_destination(const PlanParams& p, int d, const uint32_t* s
   }
 }
 
-__global__ void __launch_bounds__(kBalanceThreads)
-    plan_balance_kernel(const PlanParams p, int num_chunks) {
-  __shared__ int count[kMaxExperts];      // this rank's counts (phase A)
-  __shared__ int remaining[kMaxExperts];  // B3: entries of each expert not yet moved
+// Phase A: this rank's count of each expert is the sum of its block histograms, which become
+// exclusive block prefixes for the routing and are zeroed for the next call (every count CTA
+// has added its histogram: this is the last one).
+__device__ void sum_blocks(const PlanParams& p, int num_blocks, int* local_count) {
+  const int E = p.num_experts;
+  const Scratch s = scratch_of(p.group);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int h[kMaxPlanBlocks];  // loads first, so that they cost one memory latency
+#pragma unroll
+    for (int b = 0; b < kMaxPlanBlocks; ++b) {
+      h[b] = b < num_blocks ? __ldcg(&s.block_counts[b * E + e]) : 0;  // other CTAs' atomics
+    }
+    int run = 0;
+#pragma unroll
+    for (int b = 0; b < kMaxPlanBlocks; ++b) {
+      if (b < num_blocks) {
+        s.block_base[b * E + e] = run;
+        s.block_counts[b * E + e] = 0;
+      }
+      run += h[b];
+    }
+    local_count[e] = run;
+  }
+}
+
+// Run by every thread of the last count CTA. `expert_count` is a shared [E] array (the CTA's
+// histogram, free by now): this rank's counts, then each expert's entries not yet moved (B3);
+// `alloc` is shared [E][R], alloc[e][d] entries of expert e computed on rank d.
+__device__ void exchange_and_balance(const PlanParams& p, int num_chunks, int* expert_count,
+                                     int32_t* alloc) {
   __shared__ uint32_t slotted[kMaxRanks][kMaxExperts / 32];  // (d, e): e in a slot of d
+  __shared__ int slot_expert[kMaxExperts];    // [R][B] experts_to_copy; R * B <= E
   __shared__ int z[kMaxRanks][kMaxRanks];
   __shared__ int group_tokens[kMaxRanks];
   __shared__ int cand_key[kMaxCandidates];    // remote pair (e, d) as e * kMaxRanks + d
@@ -235,36 +272,16 @@ __global__ void __launch_bounds__(kBalanceThreads)
   const Scratch s = scratch_of(g);
   const PeerArea* me = own_area(g);
 
-  // Phase A: local counts from the chunk histograms, which become exclusive chunk prefixes.
   if (tid == 0) epoch = next_epoch(g, kOpPlan);
-  for (int e = tid; e < E; e += blockDim.x) {
-    int run = 0;
-    for (int c0 = 0; c0 < num_chunks; c0 += kChunkLoadBatch) {
-      int h[kChunkLoadBatch];  // loads first, so that a batch costs one memory latency
-#pragma unroll
-      for (int k = 0; k < kChunkLoadBatch; ++k) {
-        h[k] = c0 + k < num_chunks ? s.chunk_counts[(c0 + k) * E + e] : 0;
-      }
-#pragma unroll
-      for (int k = 0; k < kChunkLoadBatch; ++k) {
-        if (c0 + k < num_chunks) s.chunk_counts[(c0 + k) * E + e] = run;
-        run += h[k];
-      }
-    }
-    count[e] = run;
-  }
+  sum_blocks(p, ceil_div(num_chunks, kChunksPerBlock), expert_count);
   __syncthreads();
   for (int i = tid; i < R * E; i += blockDim.x) {
-    g.areas[i / E]->counts[g.rank][i % E] = count[i % E];
-  }
-  // Invalid ids are this rank's business only: dropped like -1 and counted, so the peers need
-  // not hear of them and no rank traps (Plan.num_invalid_ids, docs/CONTRACT.md).
-  if (tid == 0) {
-    int invalid = 0;
-    for (int c = 0; c < num_chunks; ++c) invalid += s.chunk_invalid[c];
-    p.num_invalid_ids[0] = invalid;
+    g.areas[i / E]->counts[g.rank][i % E] = expert_count[i % E];
   }
   if (tid == 0) {
+    // Invalid ids are this rank's business only: dropped like -1 and counted, so the peers need
+    // not hear of them and no rank traps (Plan.num_invalid_ids, docs/CONTRACT.md).
+    p.num_invalid_ids[0] = atomicExch(&s.counters[kInvalidTotal], 0);
     publish(g, kMailboxRecvSrc, p.recv_src);
     publish(g, kMailboxRecvPrimary, p.recv_primary);
   }
@@ -272,47 +289,50 @@ __global__ void __launch_bounds__(kBalanceThreads)
 
   // B1: global counts, this rank's base per expert, everything at home.
   if (tid < R) group_tokens[tid] = 0;
-  if (tid == 0) num_candidates = 0;
   if (tid < kMaxRanks * kMaxRanks) z[tid / kMaxRanks][tid % kMaxRanks] = 0;
-  if (tid == 0) total = 0;
+  if (tid == 0) {
+    num_candidates = 0;
+    total = 0;
+  }
   for (int i = tid; i < R * (kMaxExperts / 32); i += blockDim.x) {
     slotted[i / (kMaxExperts / 32)][i % (kMaxExperts / 32)] = 0;
   }
-  for (int i = tid; i < R * B; i += blockDim.x) p.experts_to_copy[i] = -1;
+  for (int i = tid; i < R * B; i += blockDim.x) slot_expert[i] = -1;
+  for (int e = tid; e < E; e += blockDim.x) {
+    int v[kMaxRanks];  // loads first, so that they cost one memory latency
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) v[r] = r < R ? me->counts[r][e] : 0;
+    int sum = 0, before = 0;
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      before += r < g.rank ? v[r] : 0;
+      sum += v[r];
+    }
+    expert_count[e] = sum;
+    s.rank_base[e] = before;
+    for (int d = 0; d < R; ++d) alloc[e * R + d] = d == e / epn ? sum : 0;
+  }
   __syncthreads();
   for (int e = tid; e < E; e += blockDim.x) {
-    int sum = 0, before = 0;
-    for (int r = 0; r < R; ++r) {
-      const int v = me->counts[r][e];
-      before += r < g.rank ? v : 0;
-      sum += v;
-    }
-    remaining[e] = sum;
-    s.rank_base[e] = before;
-    for (int d = 0; d < R; ++d) s.alloc[e * R + d] = d == e / epn ? sum : 0;
-    atomicAdd(&group_tokens[e / epn], sum);
-    atomicAdd(&total, sum);
+    atomicAdd(&group_tokens[e / epn], expert_count[e]);
+    atomicAdd(&total, expert_count[e]);
   }
   __syncthreads();
   if (warp == 0) rank_transfers(R, group_tokens, total, z);  // B2
   __syncthreads();
-  if (warp < R) split_home(warp, R, epn, remaining, z, s.alloc);  // B3
+  if (warp < R) split_home(warp, R, epn, expert_count, z, alloc);  // B3
   __syncthreads();
 
-  // Prefix over destinations, and the remote (expert, destination) pairs, staged in shared
-  // memory. Each pair comes from a B3 move, and home h makes at most epn + R - 1 moves (each one
-  // empties an expert or a quota), so there are fewer than E + R*R <= kMaxCandidates pairs.
+  // Prefix over destinations, and the remote (expert, destination) pairs. Each pair comes from a
+  // B3 move, and home h makes at most epn + R - 1 moves (each one empties an expert or a quota),
+  // so there are fewer than E + R*R <= kMaxCandidates pairs.
   for (int e = tid; e < E; e += blockDim.x) {
-    int a[kMaxRanks];
-#pragma unroll
-    for (int d = 0; d < kMaxRanks; ++d) a[d] = d < R ? s.alloc[e * R + d] : 0;
     int run = 0;
-#pragma unroll
-    for (int d = 0; d < kMaxRanks; ++d) {
-      if (d >= R) continue;
-      run += a[d];
+    for (int d = 0; d < R; ++d) {
+      const int a = alloc[e * R + d];
+      run += a;
       s.alloc_cum[e * R + d] = run;
-      if (d != e / epn && a[d] > 0) {
+      if (d != e / epn && a > 0) {
         const int j = atomicAdd(&num_candidates, 1);
         if (j >= kMaxCandidates) {  // impossible (see above); never write past the arrays
           printf("moonep: rank %d: internal error: more than %d remote experts\n", g.rank,
@@ -320,7 +340,7 @@ __global__ void __launch_bounds__(kBalanceThreads)
           __trap();
         }
         cand_key[j] = e * kMaxRanks + d;
-        cand_count[j] = a[d];
+        cand_count[j] = a;
       }
     }
   }
@@ -337,15 +357,57 @@ __global__ void __launch_bounds__(kBalanceThreads)
       position += key2 % kMaxRanks == d && (c2 > c || (c2 == c && key2 > key)) ? 1 : 0;
     }
     if (position < B) {
-      p.experts_to_copy[d * B + position] = e;
+      slot_expert[d * B + position] = e;
       atomicOr(&slotted[d][e >> 5], 1u << (e & 31));
     }
   }
   __syncthreads();
-  if (warp < R) layout_destination(p, warp, slotted[warp], s);  // phase C
+  for (int i = tid; i < R * B; i += blockDim.x) p.experts_to_copy[i] = slot_expert[i];
+  if (warp < R) layout_destination(p, warp, slotted[warp], slot_expert + warp * B, alloc, s);  // C
 }
 
-// ---- kernel 3: destinations ----------------------------------------------------------------
+// ---- kernel 1: histograms, then (last CTA) exchange and balancing ---------------------------
+
+__global__ void __launch_bounds__(kCountThreads)
+    plan_count_kernel(const PlanParams p, int tokens_per_chunk) {
+  __shared__ int hist[kMaxExperts];
+  __shared__ int invalid_count;
+  extern __shared__ int32_t alloc[];  // [E][R], for the last CTA
+  const int E = p.num_experts, tid = threadIdx.x, chunk = blockIdx.x;
+  const Scratch s = scratch_of(p.group);
+  for (int e = tid; e < E; e += blockDim.x) hist[e] = 0;
+  if (tid == 0) invalid_count = 0;
+  __syncthreads();
+
+  const int begin = chunk * tokens_per_chunk * p.top_k;
+  const int end = min(p.num_tokens, (chunk + 1) * tokens_per_chunk) * p.top_k;
+  for (int i = begin + tid; i < end; i += blockDim.x) {
+    const int id = p.topk_idx[i];
+    if (id >= 0 && id < E) {
+      atomicAdd(&hist[id], 1);
+    } else if (id != -1) {  // invalid: dropped like -1, never used as an index, counted
+      atomicAdd(&invalid_count, 1);
+    }
+  }
+  __syncthreads();
+  int32_t* block_counts = s.block_counts + chunk / kChunksPerBlock * E;
+  for (int e = tid; e < E; e += blockDim.x) {
+    const int h = hist[e];
+    s.chunk_counts[chunk * E + e] = h;
+    if (h != 0) atomicAdd(&block_counts[e], h);
+  }
+  if (tid == 0 && invalid_count != 0) atomicAdd(&s.counters[kInvalidTotal], invalid_count);
+  // Rows nobody owns stay -1. Peers write their rows only after the exchange barrier, which
+  // orders these stores (fenced in last_cta_done) before theirs.
+  for (int r = chunk * blockDim.x + tid; r < p.nvs; r += gridDim.x * blockDim.x) {
+    p.recv_src[r] = -1;
+    p.recv_primary[r] = -1;
+  }
+  if (!last_cta_done(&s.counters[kCountTicket])) return;
+  exchange_and_balance(p, gridDim.x, hist, alloc);
+}
+
+// ---- kernel 2: destinations, then (last CTA) the exit barrier -------------------------------
 
 __global__ void __launch_bounds__(kRouteThreads)
     plan_route_kernel(const PlanParams p, int tokens_per_chunk) {
@@ -360,8 +422,19 @@ __global__ void __launch_bounds__(kRouteThreads)
   const int num_entries = p.num_tokens * K, chunk = blockIdx.x;
   const Scratch s = scratch_of(g);
 
+  // The chunk's base: ranks before this one, blocks before this chunk's, and the chunks before it
+  // in its block.
+  const int block = chunk / kChunksPerBlock, block_first = block * kChunksPerBlock;
   for (int e = tid; e < E; e += blockDim.x) {
-    next_rank[e] = s.rank_base[e] + s.chunk_counts[chunk * E + e];
+    int h[kChunksPerBlock - 1];  // loads first, so that they cost one memory latency
+#pragma unroll
+    for (int k = 0; k < kChunksPerBlock - 1; ++k) {
+      h[k] = block_first + k < chunk ? s.chunk_counts[(block_first + k) * E + e] : 0;
+    }
+    int base = s.rank_base[e] + s.block_base[block * E + e];
+#pragma unroll
+    for (int k = 0; k < kChunksPerBlock - 1; ++k) base += h[k];
+    next_rank[e] = base;
   }
   if (tid < R) {
     peer_src[tid] = static_cast<int32_t*>(const_cast<void*>(peer_address(g, kMailboxRecvSrc, tid)));
@@ -369,7 +442,6 @@ __global__ void __launch_bounds__(kRouteThreads)
         static_cast<int32_t*>(const_cast<void*>(peer_address(g, kMailboxRecvPrimary, tid)));
   }
   __syncthreads();
-
   const int window_tokens = kRouteWindow / K;
   const int chunk_end = min(p.num_tokens, (chunk + 1) * tokens_per_chunk);
   for (int t0 = chunk * tokens_per_chunk; t0 < chunk_end; t0 += window_tokens) {
@@ -437,21 +509,13 @@ __global__ void __launch_bounds__(kRouteThreads)
     }
     __syncthreads();
   }
-  __threadfence_system();  // the exit barrier (next kernel) publishes these peer stores
-}
-
-// ---- kernel 4: exit barrier ----------------------------------------------------------------
-
-__global__ void plan_exit_kernel(const GroupView g) {
+  // The exit barrier publishes every CTA's peer stores (fenced in last_cta_done).
+  if (!last_cta_done(&s.counters[kRouteTicket])) return;
   barrier(g, kBarrierExit, current_epoch(g, kOpPlan), "plan: exit");
 }
 
 MOONEP_PRELOAD_KERNEL(plan_count_kernel);
-MOONEP_PRELOAD_KERNEL(plan_balance_kernel);
 MOONEP_PRELOAD_KERNEL(plan_route_kernel);
-MOONEP_PRELOAD_KERNEL(plan_exit_kernel);
-
-int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 }  // namespace
 
@@ -463,13 +527,18 @@ cudaError_t launch_plan(const PlanParams& p, cudaStream_t stream) {
   const int tokens_per_chunk = ceil_div(p.num_tokens, wanted);
   const int num_chunks = ceil_div(p.num_tokens, tokens_per_chunk);
 
-  plan_count_kernel<<<num_chunks, kCountThreads, 0, stream>>>(p, tokens_per_chunk);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  plan_balance_kernel<<<1, kBalanceThreads, 0, stream>>>(p, num_chunks);
+  // The last count CTA keeps alloc [E][R] in dynamic shared memory. The limit is set to the
+  // largest size, the same on every call and every thread, so concurrent launches agree on it.
+  constexpr int kMaxAllocBytes = int(sizeof(int32_t)) * kMaxExperts * kMaxRanks;
+  if (cudaError_t err = cudaFuncSetAttribute(
+          plan_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxAllocBytes);
+      err != cudaSuccess) {
+    return err;
+  }
+  const size_t alloc_bytes = sizeof(int32_t) * p.num_experts * p.group.num_ranks;
+  plan_count_kernel<<<num_chunks, kCountThreads, alloc_bytes, stream>>>(p, tokens_per_chunk);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   plan_route_kernel<<<num_chunks, kRouteThreads, 0, stream>>>(p, tokens_per_chunk);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  plan_exit_kernel<<<1, 32, 0, stream>>>(p.group);
   return cudaGetLastError();
 }
 
