@@ -19,6 +19,7 @@
 //
 // Every tie rule follows moonep_algorithm.md §3 and moonep_jax/plan.py::_plan_xla exactly.
 #include <climits>
+#include <vector>
 
 #include "kernels/constants.h"
 #include "kernels/plan.h"
@@ -65,8 +66,8 @@ constexpr int kBlockCountsOff = kChunkCountsOff + kPlanChunkCountInts;      // [
 constexpr int kBlockBaseOff = kBlockCountsOff + kPlanBlockCountInts;        // [blocks][E]
 constexpr int kRankBaseOff = kBlockBaseOff + kPlanBlockCountInts;           // [E]
 constexpr int kAllocCumOff = kRankBaseOff + kMaxExperts;                    // [E][R]
-constexpr int kExpertOffOff = kAllocCumOff + kMaxExperts * kMaxRanks;       // [R][E]
-constexpr int kCountersOff = kExpertOffOff + kMaxRanks * kMaxExperts;       // [kNumPlanCounters]
+constexpr int kRowShiftOff = kAllocCumOff + kMaxExperts * kMaxRanks;        // [E][R]
+constexpr int kCountersOff = kRowShiftOff + kMaxExperts * kMaxRanks;        // [kNumPlanCounters]
 constexpr int kScratchEnd = kCountersOff + kNumPlanCounters;
 static_assert(kScratchEnd <= kPlanScratchInts, "planner scratch must fit PeerArea::plan_scratch");
 
@@ -76,14 +77,15 @@ struct Scratch {
   int32_t* block_base;    // [blocks][E] entries of expert e in earlier blocks of this rank
   int32_t* rank_base;     // [E] entries of expert e on ranks < this rank
   int32_t* alloc_cum;     // [E][R] inclusive prefix over d of alloc[e][d]
-  int32_t* expert_off;    // [R][E] first row of expert e's group on rank d (stale if empty)
+  int32_t* row_shift;     // [E][R] an entry of rank i within expert e that goes to rank d lands
+                          // on row i + row_shift[e][d] there (stale where alloc[e][d] == 0)
   int32_t* counters;      // [kNumPlanCounters]
 };
 
 __device__ __forceinline__ Scratch scratch_of(const GroupView& g) {
   int32_t* s = own_area(g)->plan_scratch;
   return Scratch{s + kChunkCountsOff, s + kBlockCountsOff, s + kBlockBaseOff, s + kRankBaseOff,
-                 s + kAllocCumOff,    s + kExpertOffOff,   s + kCountersOff};
+                 s + kAllocCumOff,    s + kRowShiftOff,    s + kCountersOff};
 }
 
 __device__ __forceinline__ uint32_t atom_add_acq_rel_gpu(uint32_t* p, uint32_t v) {
@@ -210,7 +212,11 @@ __device__ void layout_destination(const PlanParams& p, int d, const uint32_t* s
 #pragma unroll
     for (int k = 0; k < kLayoutPerLane; ++k) {
       const int g = first + k, padded = (count[k] + tp - 1) / tp * tp;
-      if (count[k] > 0) s.expert_off[d * kMaxExperts + expert[k]] = start;
+      if (count[k] > 0) {  // the group's first row holds the first entry of e computed on d
+        int first_rank = 0;
+        for (int d2 = 0; d2 < d; ++d2) first_rank += alloc[expert[k] * R + d2];
+        s.row_shift[expert[k] * R + d] = start - first_rank;
+      }
       if (mine && g < G) {
         p.cu_seqlens[g] = start + padded;
         p.zero_fill[2 * g] = padded > count[k] ? start + count[k] : 0;
@@ -409,6 +415,30 @@ __global__ void __launch_bounds__(kCountThreads)
 
 // ---- kernel 2: destinations, then (last CTA) the exit barrier -------------------------------
 
+constexpr int kIdsPerThread = kRouteWindow / kRouteThreads;
+
+// A window's expert ids, loaded into registers and then stored to shared memory, so that other
+// loads can be issued in between and share their latency.
+struct WindowIds {
+  int id[kIdsPerThread];
+
+  __device__ void load(const int32_t* topk_idx, int n) {
+#pragma unroll
+    for (int u = 0; u < kIdsPerThread; ++u) {
+      const int j = threadIdx.x + u * kRouteThreads;
+      id[u] = j < n ? topk_idx[j] : -1;
+    }
+  }
+
+  __device__ void store(int* win_id, int n) const {
+#pragma unroll
+    for (int u = 0; u < kIdsPerThread; ++u) {
+      const int j = threadIdx.x + u * kRouteThreads;
+      if (j < n) win_id[j] = id[u];
+    }
+  }
+};
+
 __global__ void __launch_bounds__(kRouteThreads)
     plan_route_kernel(const PlanParams p, int tokens_per_chunk) {
   __shared__ int next_rank[kMaxExperts];  // global rank of the next entry of expert e
@@ -421,7 +451,13 @@ __global__ void __launch_bounds__(kRouteThreads)
   const int E = p.num_experts, K = p.top_k, R = g.num_ranks, tid = threadIdx.x;
   const int num_entries = p.num_tokens * K, chunk = blockIdx.x;
   const Scratch s = scratch_of(g);
+  const int window_tokens = kRouteWindow / K;
+  const int chunk_begin = chunk * tokens_per_chunk;
+  const int chunk_end = min(p.num_tokens, chunk_begin + tokens_per_chunk);
+  auto window_size = [&](int t0) { return (min(chunk_end, t0 + window_tokens) - t0) * K; };
 
+  WindowIds ids;
+  ids.load(p.topk_idx + chunk_begin * K, window_size(chunk_begin));
   // The chunk's base: ranks before this one, blocks before this chunk's, and the chunks before it
   // in its block.
   const int block = chunk / kChunksPerBlock, block_first = block * kChunksPerBlock;
@@ -441,13 +477,16 @@ __global__ void __launch_bounds__(kRouteThreads)
     peer_primary[tid] =
         static_cast<int32_t*>(const_cast<void*>(peer_address(g, kMailboxRecvPrimary, tid)));
   }
+  ids.store(win_id, window_size(chunk_begin));
   __syncthreads();
-  const int window_tokens = kRouteWindow / K;
-  const int chunk_end = min(p.num_tokens, (chunk + 1) * tokens_per_chunk);
-  for (int t0 = chunk * tokens_per_chunk; t0 < chunk_end; t0 += window_tokens) {
-    const int first = t0 * K, n = (min(chunk_end, t0 + window_tokens) - t0) * K;
-    for (int j = tid; j < n; j += blockDim.x) win_id[j] = p.topk_idx[first + j];
-    __syncthreads();
+
+  for (int t0 = chunk_begin; t0 < chunk_end; t0 += window_tokens) {
+    const int first = t0 * K, n = window_size(t0);
+    if (t0 != chunk_begin) {  // the first window's ids came with the base
+      ids.load(p.topk_idx + first, n);
+      ids.store(win_id, n);
+      __syncthreads();
+    }
     // Stable rank within the expert: one warp walks the window in ascending i, 32 at a time.
     if (tid < 32) {
       for (int j0 = 0; j0 < n; j0 += 32) {
@@ -463,8 +502,8 @@ __global__ void __launch_bounds__(kRouteThreads)
       }
     }
     __syncthreads();
-    // Phase D: destination = number of d with alloc_cum[e, d] <= rank; row within its chunk.
-#pragma unroll 4
+    // Phase D: destination = number of d with alloc_cum[e, d] <= rank; row on it.
+#pragma unroll 2
     for (int j = tid; j < n; j += blockDim.x) {
       const int id = win_id[j];
       if (id < 0 || id >= E) {
@@ -472,12 +511,19 @@ __global__ void __launch_bounds__(kRouteThreads)
         continue;
       }
       const int rank_in_expert = win_row[j];
-      const int32_t* cum = s.alloc_cum + id * R;
-      int dest = 0;
-      for (int d = 0; d < R; ++d) dest += cum[d] <= rank_in_expert ? 1 : 0;
-      const int chunk_start = dest > 0 ? cum[dest - 1] : 0;
+      int cum[kMaxRanks], shift[kMaxRanks];  // loads first, so that they cost one memory latency
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d) {
+        cum[d] = d < R ? s.alloc_cum[id * R + d] : INT_MAX;
+        shift[d] = d < R ? s.row_shift[id * R + d] : 0;
+      }
+      int dest = 0, row_shift = 0;
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d) dest += cum[d] <= rank_in_expert ? 1 : 0;
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d) row_shift = d == dest ? shift[d] : row_shift;
       win_dest[j] = dest;
-      win_row[j] = s.expert_off[dest * kMaxExperts + id] + rank_in_expert - chunk_start;
+      win_row[j] = rank_in_expert + row_shift;
     }
     __syncthreads();
     // Duplicates: the lowest k of the token going to the same rank is the primary.
@@ -540,6 +586,40 @@ cudaError_t launch_plan(const PlanParams& p, cudaStream_t stream) {
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   plan_route_kernel<<<num_chunks, kRouteThreads, 0, stream>>>(p, tokens_per_chunk);
   return cudaGetLastError();
+}
+
+cudaError_t plan_graph_nodes(int num_experts, int top_k, int num_tokens, int num_ranks,
+                             int* kernel_nodes, int* other_nodes) {
+  PlanParams p{};  // sizes only: captured launches never run, so no pointer is dereferenced
+  p.num_experts = num_experts;
+  p.top_k = top_k;
+  p.num_tokens = num_tokens;
+  p.group.num_ranks = num_ranks;
+  cudaStream_t stream;
+  if (cudaError_t err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      err != cudaSuccess) {
+    return err;
+  }
+  cudaGraph_t graph = nullptr;
+  cudaError_t err = cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
+  if (err == cudaSuccess) {
+    const cudaError_t launched = launch_plan(p, stream);
+    err = cudaStreamEndCapture(stream, &graph);
+    if (launched != cudaSuccess) err = launched;
+  }
+  size_t n = 0;
+  if (err == cudaSuccess) err = cudaGraphGetNodes(graph, nullptr, &n);
+  std::vector<cudaGraphNode_t> nodes(n);
+  if (err == cudaSuccess) err = cudaGraphGetNodes(graph, nodes.data(), &n);
+  *kernel_nodes = *other_nodes = 0;
+  for (size_t i = 0; i < n && err == cudaSuccess; ++i) {
+    cudaGraphNodeType type;
+    err = cudaGraphNodeGetType(nodes[i], &type);
+    if (err == cudaSuccess) ++*(type == cudaGraphNodeTypeKernel ? kernel_nodes : other_nodes);
+  }
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  return err;
 }
 
 }  // namespace moonep

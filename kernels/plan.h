@@ -45,4 +45,9 @@ struct PlanParams {
 // [-1, E) are dropped like -1 and counted in num_invalid_ids, exactly as the xla reference does.
 cudaError_t launch_plan(const PlanParams& params, cudaStream_t stream);
 
+// What launch_plan enqueues for these sizes, counted by capturing it into a CUDA graph on the
+// current device (nothing runs): kernel nodes and any other nodes. For tests/test_plan_cuda.py.
+cudaError_t plan_graph_nodes(int num_experts, int top_k, int num_tokens, int num_ranks,
+                             int* kernel_nodes, int* other_nodes);
+
 }  // namespace moonep

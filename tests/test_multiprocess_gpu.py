@@ -38,9 +38,10 @@ TRAIN = Sizes(S=32, K=2, E=64, H=64, F=32)
 INFER = Sizes(S=32, K=2, E=64, H=64, F=32, B=2, tp=2)
 CASES = (("train", TRAIN, True), ("infer", INFER, False))
 CALLS = 1000
-# Plan grids of 40 CTAs (3 blocks of chunks, the last partial), 8 and 32 per rank, in turn.
+# Plan grids of 40 CTAs (3 blocks of chunks, the last partial), 8 and 32 per rank, and the largest
+# E (alloc [E, R] takes more than the default 48 KiB of shared memory at R >= 2), in turn.
 PLAN_SHAPES = (Sizes(S=2500, K=8, E=64), Sizes(S=600, K=6, E=48, B=2, tp=4),
-               Sizes(S=4096, K=4, E=32, tp=2))
+               Sizes(S=4096, K=4, E=32, tp=2), Sizes(S=256, K=8, E=2048))
 
 
 @pytest.fixture(scope="module")

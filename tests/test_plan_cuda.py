@@ -26,7 +26,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import moonep_jax
-from moonep_jax import routing
+from moonep_jax import _ffi, routing
 from moonep_jax._cuda import transport
 
 plan_module = importlib.import_module("moonep_jax.plan")
@@ -135,6 +135,17 @@ def test_plan_found_under_set_mesh(seed):
         cuda, xla = _plan_both(mesh, topk, _config(R, S, K, E, None, 2, "cuda"),
                                _config(R, S, K, E, None, 2, "xla"))
     _assert_plans_equal(cuda, xla)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E, K, S, R", [(384, 8, 8192, 1), (384, 8, 8192, 8), (2048, 8, 256, 8),
+                                        (32, 4, 16, 1)])
+def test_plan_enqueues_two_kernels(E, K, S, R):
+    """The planner as the FFI handler launches it, captured into a CUDA graph (nothing runs): two
+    kernel nodes and nothing else, at the record shape, the largest E and a one-chunk grid."""
+    if _gpu_count() == 0:
+        pytest.skip("needs a GPU")
+    assert _ffi.lib().plan_graph_nodes(E, K, S, R) == (2, 0)
 
 
 # ---- back-to-back calls, with and without XLA command buffers (subprocesses: flags are global) ---
