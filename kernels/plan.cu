@@ -114,6 +114,16 @@ __device__ bool last_cta_done(int32_t* ticket) {
   return last;
 }
 
+// The group barrier of the last CTA of a grid. A group of one has no peer to wait for or to
+// publish to: its own writes are ordered by this CTA's __syncthreads and the kernel boundary.
+__device__ void group_barrier(const GroupView& g, int slot, uint32_t epoch, const char* what) {
+  if (g.num_ranks > 1) {
+    barrier(g, slot, epoch, what);
+  } else {
+    __syncthreads();
+  }
+}
+
 __device__ __forceinline__ int warp_inclusive_sum(int v) {
   const int lane = threadIdx.x & 31;
   for (int d = 1; d < 32; d <<= 1) {
@@ -291,7 +301,7 @@ __device__ void exchange_and_balance(const PlanParams& p, int num_chunks, int* e
     publish(g, kMailboxRecvSrc, p.recv_src);
     publish(g, kMailboxRecvPrimary, p.recv_primary);
   }
-  barrier(g, kBarrierExchange, epoch, "plan: expert count exchange");
+  group_barrier(g, kBarrierExchange, epoch, "plan: expert count exchange");
 
   // B1: global counts, this rank's base per expert, everything at home.
   if (tid < R) group_tokens[tid] = 0;
@@ -557,7 +567,7 @@ __global__ void __launch_bounds__(kRouteThreads)
   }
   // The exit barrier publishes every CTA's peer stores (fenced in last_cta_done).
   if (!last_cta_done(&s.counters[kRouteTicket])) return;
-  barrier(g, kBarrierExit, current_epoch(g, kOpPlan), "plan: exit");
+  group_barrier(g, kBarrierExit, current_epoch(g, kOpPlan), "plan: exit");
 }
 
 MOONEP_PRELOAD_KERNEL(plan_count_kernel);

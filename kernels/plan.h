@@ -40,8 +40,8 @@ struct PlanParams {
   int32_t* num_invalid_ids;  // [1] entries of topk_idx with ids outside [-1, E)
 };
 
-// Enqueues the planner on `stream`: two kernels, each ending with a cross-GPU barrier in its last
-// CTA to finish. Every rank of the group must call it with the same sizes. Expert ids outside
+// Enqueues the planner on `stream`: two kernels, each ending with a cross-GPU barrier (none in a
+// group of one) in its last CTA to finish. Every rank of the group must call it with the same sizes. Expert ids outside
 // [-1, E) are dropped like -1 and counted in num_invalid_ids, exactly as the xla reference does.
 cudaError_t launch_plan(const PlanParams& params, cudaStream_t stream);
 
