@@ -144,12 +144,13 @@ __device__ __forceinline__ int warp_argmax_first(int value, int* max_out) {
 
 // B2 (one warp, lane d = rank d): the most overloaded rank (first on ties) fills the most
 // underloaded one (first on ties) completely; at most R-1 rounds.
-__device__ void rank_transfers(int num_ranks, const int* group_tokens, int total,
-                               int (*z)[kMaxRanks]) {
+__device__ void rank_transfers(int num_ranks, const int* group_tokens, int (*z)[kMaxRanks]) {
   const int lane = threadIdx.x & 31;
   const bool is_rank = lane < num_ranks;
+  const int tokens = is_rank ? group_tokens[lane] : 0;
+  const int total = __reduce_add_sync(kFullMask, tokens);  // < R * NvS < 2^31
   const int cap = total / num_ranks + (lane < total % num_ranks ? 1 : 0);
-  int balance = is_rank ? group_tokens[lane] - cap : 0;
+  int balance = is_rank ? tokens - cap : 0;
   for (int round = 0; round < num_ranks; ++round) {
     int most;
     const int donor = warp_argmax_first(is_rank ? balance : INT_MIN, &most);
@@ -280,7 +281,6 @@ __device__ void exchange_and_balance(const PlanParams& p, int num_chunks, int* e
   __shared__ int cand_key[kMaxCandidates];    // remote pair (e, d) as e * kMaxRanks + d
   __shared__ int cand_count[kMaxCandidates];  // alloc[e, d] of the pair
   __shared__ int num_candidates;
-  __shared__ int total;
   __shared__ uint32_t epoch;
   const GroupView& g = p.group;
   const int E = p.num_experts, R = g.num_ranks, B = p.num_slots, epn = E / R;
@@ -304,12 +304,8 @@ __device__ void exchange_and_balance(const PlanParams& p, int num_chunks, int* e
   group_barrier(g, kBarrierExchange, epoch, "plan: expert count exchange");
 
   // B1: global counts, this rank's base per expert, everything at home.
-  if (tid < R) group_tokens[tid] = 0;
   if (tid < kMaxRanks * kMaxRanks) z[tid / kMaxRanks][tid % kMaxRanks] = 0;
-  if (tid == 0) {
-    num_candidates = 0;
-    total = 0;
-  }
+  if (tid == 0) num_candidates = 0;
   for (int i = tid; i < R * (kMaxExperts / 32); i += blockDim.x) {
     slotted[i / (kMaxExperts / 32)][i % (kMaxExperts / 32)] = 0;
   }
@@ -329,12 +325,14 @@ __device__ void exchange_and_balance(const PlanParams& p, int num_chunks, int* e
     for (int d = 0; d < R; ++d) alloc[e * R + d] = d == e / epn ? sum : 0;
   }
   __syncthreads();
-  for (int e = tid; e < E; e += blockDim.x) {
-    atomicAdd(&group_tokens[e / epn], expert_count[e]);
-    atomicAdd(&total, expert_count[e]);
+  if (warp < R) {  // entries of home group `warp`
+    int tokens = 0;
+    for (int le = tid & 31; le < epn; le += 32) tokens += expert_count[warp * epn + le];
+    tokens = __reduce_add_sync(kFullMask, tokens);
+    if ((tid & 31) == 0) group_tokens[warp] = tokens;
   }
   __syncthreads();
-  if (warp == 0) rank_transfers(R, group_tokens, total, z);  // B2
+  if (warp == 0) rank_transfers(R, group_tokens, z);  // B2
   __syncthreads();
   if (warp < R) split_home(warp, R, epn, expert_count, z, alloc);  // B3
   __syncthreads();
