@@ -1,18 +1,25 @@
-// The CUDA planner (see plan.h). Four kernels on XLA's stream, per rank:
+// The CUDA planner (see plan.h). Two kernels on XLA's stream, per rank. The serial phases run
+// in the last CTA of each grid to finish ("last CTA done": every CTA fences its writes and takes a
+// ticket in this rank's scratch), so no launch exists only to run one CTA:
 //
-//   plan_count_kernel    (C CTAs)  per-chunk expert histograms and invalid-id counts of the local
-//                                  entries; marks the receive rows of this rank's recv_src /
-//                                  recv_primary as -1.
-//   plan_balance_kernel  (1 CTA)   local counts -> every peer's counts region, recv addresses ->
-//                                  every peer's mailbox, barrier; then, replicated on every rank,
-//                                  B1-B3 and the generation-1 layout of all R destinations.
-//   plan_route_kernel    (C CTAs)  stable rank of each entry within its expert, destination row,
-//                                  duplicate marking; dst locally, recv_src / recv_primary rows
-//                                  straight into the destination's XLA result buffers.
-//   plan_exit_kernel     (1 CTA)   exit barrier: no peer still writes when the call returns.
+//   plan_count_kernel  (C CTAs)  per-chunk expert histograms, their sums per block of
+//                                kChunksPerBlock chunks and the invalid-id count of the local
+//                                entries; marks this rank's recv_src / recv_primary rows as -1.
+//                                Its last CTA: local counts -> every peer's counts region, recv
+//                                addresses -> every peer's mailbox, barrier; then, replicated on
+//                                every rank and in shared memory, B1-B3 and the generation-1
+//                                layout of all R destinations.
+//   plan_route_kernel  (C CTAs)  stable rank of each entry within its expert, destination row,
+//                                duplicate marking; dst locally, recv_src / recv_primary rows
+//                                straight into the destination's XLA result buffers. Its last
+//                                CTA: exit barrier (no peer still writes when the call returns).
+//
+// Only the last CTA of a grid waits on peers, and by then every other CTA of its grid has exited:
+// a rank holds one CTA while it spins, so the peers' grids (other processes under MPS) can run.
 //
 // Every tie rule follows moonep_algorithm.md §3 and moonep_jax/plan.py::_plan_xla exactly.
 #include <climits>
+#include <vector>
 
 #include "kernels/constants.h"
 #include "kernels/plan.h"
@@ -20,43 +27,101 @@
 namespace moonep {
 namespace {
 
-constexpr int kCountThreads = 256;
-constexpr int kBalanceThreads = 1024;
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+constexpr int kCountThreads = 512;  // also the last CTA's threads for the balancing
 constexpr int kRouteThreads = 256;
 constexpr int kRouteWindow = 2048;  // entries ranked per round of the routing kernel
-constexpr int kChunkLoadBatch = 16;  // independent loads in flight per thread in phase A
 constexpr int kLayoutPerLane = 8;    // consecutive groups per lane in the layout scan
-constexpr int kMaxCandidates = kMaxExperts + kMaxRanks * kMaxRanks;  // see plan_balance_kernel
+constexpr int kMaxCandidates = kMaxExperts + kMaxRanks * kMaxRanks;  // see exchange_and_balance
 constexpr unsigned kFullMask = 0xffffffffu;
+static_assert(kCountThreads / 32 >= kMaxRanks && kCountThreads >= kMaxRanks * kMaxRanks,
+              "the balancing needs a warp per rank and a thread per rank pair");
+
+// Chunks are grouped in blocks of kChunksPerBlock: the count kernel also sums each block's chunk
+// histograms (atomically), so the last CTA reads at most kMaxPlanBlocks rows per expert and a
+// routing CTA at most kChunksPerBlock rows, instead of one row per earlier chunk.
+constexpr int kChunksPerBlock = 16;
+constexpr int kMaxPlanBlocks = ceil_div(kMaxPlanChunks, kChunksPerBlock);
+// ceil(C / kChunksPerBlock) * E <= C * E / kChunksPerBlock + E, and C * E <= kPlanChunkCountInts.
+constexpr int kPlanBlockCountInts = kPlanChunkCountInts / kChunksPerBlock + kMaxExperts;
 
 constexpr int kMailboxRecvSrc = mailbox_slot(kOpPlan, 0);
 constexpr int kMailboxRecvPrimary = mailbox_slot(kOpPlan, 1);
 constexpr int kBarrierExchange = barrier_slot(kOpPlan, 0);
 constexpr int kBarrierExit = barrier_slot(kOpPlan, 1);
 
+// Counters in the planner scratch; each is zero between calls (the area is zeroed at creation and
+// the last CTA of the grid that uses it resets it).
+enum PlanCounter : int {
+  kCountTicket = 0,   // count CTAs done
+  kRouteTicket = 1,   // routing CTAs done
+  kInvalidTotal = 2,  // entries with ids outside [-1, E)
+  kNumPlanCounters = 3,
+};
+
 // Planner scratch in this rank's PeerArea (ints). Strides use the static maxima.
 constexpr int kChunkCountsOff = 0;                                          // [chunks][E]
-constexpr int kChunkInvalidOff = kChunkCountsOff + kPlanChunkCountInts;      // [chunks]
-constexpr int kRankBaseOff = kChunkInvalidOff + kMaxPlanChunks;              // [E]
-constexpr int kAllocOff = kRankBaseOff + kMaxExperts;                        // [E][R]
-constexpr int kAllocCumOff = kAllocOff + kMaxExperts * kMaxRanks;            // [E][R]
-constexpr int kExpertOffOff = kAllocCumOff + kMaxExperts * kMaxRanks;        // [R][E]
-constexpr int kScratchEnd = kExpertOffOff + kMaxRanks * kMaxExperts;
+constexpr int kBlockCountsOff = kChunkCountsOff + kPlanChunkCountInts;      // [blocks][E]
+constexpr int kBlockBaseOff = kBlockCountsOff + kPlanBlockCountInts;        // [blocks][E]
+constexpr int kRankBaseOff = kBlockBaseOff + kPlanBlockCountInts;           // [E]
+constexpr int kAllocCumOff = kRankBaseOff + kMaxExperts;                    // [E][R]
+constexpr int kRowShiftOff = kAllocCumOff + kMaxExperts * kMaxRanks;        // [E][R]
+constexpr int kCountersOff = kRowShiftOff + kMaxExperts * kMaxRanks;        // [kNumPlanCounters]
+constexpr int kScratchEnd = kCountersOff + kNumPlanCounters;
 static_assert(kScratchEnd <= kPlanScratchInts, "planner scratch must fit PeerArea::plan_scratch");
 
 struct Scratch {
-  int32_t* chunk_counts;  // per-chunk histogram; after balancing, the chunk's exclusive base
-  int32_t* chunk_invalid; // per chunk: entries with ids outside [-1, E)
+  int32_t* chunk_counts;  // per-chunk histogram
+  int32_t* block_counts;  // per-block sum of the chunk histograms (zero between calls)
+  int32_t* block_base;    // [blocks][E] entries of expert e in earlier blocks of this rank
   int32_t* rank_base;     // [E] entries of expert e on ranks < this rank
-  int32_t* alloc;         // [E][R] entries of expert e computed on rank d
-  int32_t* alloc_cum;     // [E][R] inclusive prefix of alloc over d
-  int32_t* expert_off;    // [R][E] first row of expert e's group on rank d (stale if empty)
+  int32_t* alloc_cum;     // [E][R] inclusive prefix over d of alloc[e][d]
+  int32_t* row_shift;     // [E][R] an entry of rank i within expert e that goes to rank d lands
+                          // on row i + row_shift[e][d] there (stale where alloc[e][d] == 0)
+  int32_t* counters;      // [kNumPlanCounters]
 };
 
 __device__ __forceinline__ Scratch scratch_of(const GroupView& g) {
   int32_t* s = own_area(g)->plan_scratch;
-  return Scratch{s + kChunkCountsOff, s + kChunkInvalidOff, s + kRankBaseOff,
-                 s + kAllocOff,       s + kAllocCumOff, s + kExpertOffOff};
+  return Scratch{s + kChunkCountsOff, s + kBlockCountsOff, s + kBlockBaseOff, s + kRankBaseOff,
+                 s + kAllocCumOff,    s + kRowShiftOff,    s + kCountersOff};
+}
+
+__device__ __forceinline__ uint32_t atom_add_acq_rel_gpu(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+               : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+// Called by every thread of every CTA of the grid: whether this CTA is the last one to get here.
+// Every thread's earlier writes (peer stores included) are fenced at system scope before its CTA
+// takes the ticket, so the last CTA sees them, and a barrier it then passes publishes them to the
+// peers (kernels/transport.cuh::barrier). The last CTA resets the ticket: no CTA of this grid
+// takes one any more, and the next call's kernels start after this grid has ended.
+__device__ bool last_cta_done(int32_t* ticket) {
+  __shared__ bool last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t* t = reinterpret_cast<uint32_t*>(ticket);
+    last = atom_add_acq_rel_gpu(t, 1u) + 1u == gridDim.x;
+    if (last) *t = 0;
+  }
+  __syncthreads();
+  if (last) __threadfence();  // every thread of the last CTA reads after the acquire
+  return last;
+}
+
+// The group barrier of the last CTA of a grid. A group of one has no peer to wait for or to
+// publish to: its own writes are ordered by this CTA's __syncthreads and the kernel boundary.
+__device__ void group_barrier(const GroupView& g, int slot, uint32_t epoch, const char* what) {
+  if (g.num_ranks > 1) {
+    barrier(g, slot, epoch, what);
+  } else {
+    __syncthreads();
+  }
 }
 
 __device__ __forceinline__ int warp_inclusive_sum(int v) {
@@ -75,50 +140,17 @@ __device__ __forceinline__ int warp_argmax_first(int value, int* max_out) {
   return __ffs(__ballot_sync(kFullMask, value == m)) - 1;
 }
 
-// ---- kernel 1: histograms ------------------------------------------------------------------
-
-__global__ void __launch_bounds__(kCountThreads)
-    plan_count_kernel(const PlanParams p, int tokens_per_chunk) {
-  __shared__ int hist[kMaxExperts];
-  __shared__ int invalid_count;
-  const int E = p.num_experts, tid = threadIdx.x, chunk = blockIdx.x;
-  const Scratch s = scratch_of(p.group);
-  for (int e = tid; e < E; e += blockDim.x) hist[e] = 0;
-  if (tid == 0) invalid_count = 0;
-  __syncthreads();
-
-  const int begin = chunk * tokens_per_chunk * p.top_k;
-  const int end = min(p.num_tokens, (chunk + 1) * tokens_per_chunk) * p.top_k;
-  for (int i = begin + tid; i < end; i += blockDim.x) {
-    const int id = p.topk_idx[i];
-    if (id >= 0 && id < E) {
-      atomicAdd(&hist[id], 1);
-    } else if (id != -1) {  // invalid: dropped like -1, never used as an index, counted
-      atomicAdd(&invalid_count, 1);
-    }
-  }
-  __syncthreads();
-  for (int e = tid; e < E; e += blockDim.x) s.chunk_counts[chunk * E + e] = hist[e];
-  if (tid == 0) s.chunk_invalid[chunk] = invalid_count;
-  // Rows nobody owns stay -1. Peers write their rows only after the exchange barrier, which
-  // orders these stores before theirs.
-  for (int r = chunk * blockDim.x + tid; r < p.nvs; r += gridDim.x * blockDim.x) {
-    p.recv_src[r] = -1;
-    p.recv_primary[r] = -1;
-  }
-  __threadfence_system();
-}
-
-// ---- kernel 2: exchange and balancing ------------------------------------------------------
+// ---- the last count CTA: exchange and balancing ---------------------------------------------
 
 // B2 (one warp, lane d = rank d): the most overloaded rank (first on ties) fills the most
 // underloaded one (first on ties) completely; at most R-1 rounds.
-__device__ void rank_transfers(int num_ranks, const int* group_tokens, int total,
-                               int (*z)[kMaxRanks]) {
+__device__ void rank_transfers(int num_ranks, const int* group_tokens, int (*z)[kMaxRanks]) {
   const int lane = threadIdx.x & 31;
   const bool is_rank = lane < num_ranks;
+  const int tokens = is_rank ? group_tokens[lane] : 0;
+  const int total = __reduce_add_sync(kFullMask, tokens);  // < R * NvS < 2^31
   const int cap = total / num_ranks + (lane < total % num_ranks ? 1 : 0);
-  int balance = is_rank ? group_tokens[lane] - cap : 0;
+  int balance = is_rank ? tokens - cap : 0;
   for (int round = 0; round < num_ranks; ++round) {
     int most;
     const int donor = warp_argmax_first(is_rank ? balance : INT_MIN, &most);
@@ -133,6 +165,7 @@ __device__ void rank_transfers(int num_ranks, const int* group_tokens, int total
 
 // B3 for home rank h (one warp): serve the largest quota (first rank on ties) from the expert
 // with the most entries left (first local index on ties), until no quota or no entry is left.
+// Only this warp touches the rows of home h's experts in `remaining` and `alloc` (shared memory).
 __device__ void split_home(int h, int num_ranks, int epn, int* remaining, const int (*z)[kMaxRanks],
                            int32_t* alloc) {
   const int lane = threadIdx.x & 31;
@@ -155,9 +188,8 @@ __device__ void split_home(int h, int num_ranks, int epn, int* remaining, const 
     if (lane == 0) {
       const int e = first + le;
       remaining[e] -= take;
-      // Reductions without a return value do not wait for memory; the loop never stalls on them.
-      atomicAdd(&alloc[e * num_ranks + d], take);
-      atomicSub(&alloc[e * num_ranks + h], take);
+      alloc[e * num_ranks + d] += take;
+      alloc[e * num_ranks + h] -= take;
     }
     if (lane == d) quota -= take;
     __syncwarp();
@@ -165,10 +197,10 @@ __device__ void split_home(int h, int num_ranks, int epn, int* remaining, const 
 }
 
 // Phase C for destination d (one warp): group g < E is global expert g (empty when slotted),
-// group E + b is slot b; groups padded to tp and laid out back to back. Each lane takes
-// kLayoutPerLane consecutive groups per tile, so a tile costs one or two memory latencies.
+// group E + b is slot b (expert slot_expert[b], -1 unused); groups padded to tp and laid out back
+// to back. Each lane takes kLayoutPerLane consecutive groups per tile; inputs are in shared memory.
 __device__ void layout_destination(const PlanParams& p, int d, const uint32_t* slotted,
-                                   const Scratch& s) {
+                                   const int* slot_expert, const int32_t* alloc, const Scratch& s) {
   const int lane = threadIdx.x & 31;
   const int E = p.num_experts, B = p.num_slots, R = p.group.num_ranks, tp = p.token_padding;
   const int G = E + B;
@@ -177,22 +209,13 @@ __device__ void layout_destination(const PlanParams& p, int d, const uint32_t* s
   for (int tile = 0; tile < G; tile += 32 * kLayoutPerLane) {
     const int first = tile + lane * kLayoutPerLane;
     int expert[kLayoutPerLane], count[kLayoutPerLane];
-#pragma unroll
-    for (int k = 0; k < kLayoutPerLane; ++k) {
-      const int g = first + k;
-      expert[k] = -1;
-      count[k] = 0;
-      if (g < E) {
-        expert[k] = g;
-        count[k] = (slotted[g >> 5] >> (g & 31)) & 1u ? 0 : s.alloc[g * R + d];
-      } else if (g < G) {
-        expert[k] = p.experts_to_copy[d * B + (g - E)];
-      }
-    }
     int lane_rows = 0;
 #pragma unroll
     for (int k = 0; k < kLayoutPerLane; ++k) {
-      if (first + k >= E && expert[k] >= 0) count[k] = s.alloc[expert[k] * R + d];
+      const int g = first + k;
+      expert[k] = g < E ? g : g < G ? slot_expert[g - E] : -1;
+      const bool empty = expert[k] < 0 || (g < E && ((slotted[g >> 5] >> (g & 31)) & 1u));
+      count[k] = empty ? 0 : alloc[expert[k] * R + d];
       lane_rows += (count[k] + tp - 1) / tp * tp;
     }
     const int inclusive = warp_inclusive_sum(lane_rows);
@@ -200,7 +223,11 @@ __device__ void layout_destination(const PlanParams& p, int d, const uint32_t* s
 #pragma unroll
     for (int k = 0; k < kLayoutPerLane; ++k) {
       const int g = first + k, padded = (count[k] + tp - 1) / tp * tp;
-      if (count[k] > 0) s.expert_off[d * kMaxExperts + expert[k]] = start;
+      if (count[k] > 0) {  // the group's first row holds the first entry of e computed on d
+        int first_rank = 0;
+        for (int d2 = 0; d2 < d; ++d2) first_rank += alloc[expert[k] * R + d2];
+        s.row_shift[expert[k] * R + d] = start - first_rank;
+      }
       if (mine && g < G) {
         p.cu_seqlens[g] = start + padded;
         p.zero_fill[2 * g] = padded > count[k] ? start + count[k] : 0;
@@ -217,17 +244,43 @@ __device__ void layout_destination(const PlanParams& p, int d, const uint32_t* s
   }
 }
 
-__global__ void __launch_bounds__(kBalanceThreads)
-    plan_balance_kernel(const PlanParams p, int num_chunks) {
-  __shared__ int count[kMaxExperts];      // this rank's counts (phase A)
-  __shared__ int remaining[kMaxExperts];  // B3: entries of each expert not yet moved
+// Phase A: this rank's count of each expert is the sum of its block histograms, which become
+// exclusive block prefixes for the routing and are zeroed for the next call (every count CTA
+// has added its histogram: this is the last one).
+__device__ void sum_blocks(const PlanParams& p, int num_blocks, int* local_count) {
+  const int E = p.num_experts;
+  const Scratch s = scratch_of(p.group);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int h[kMaxPlanBlocks];  // loads first, so that they cost one memory latency
+#pragma unroll
+    for (int b = 0; b < kMaxPlanBlocks; ++b) {
+      h[b] = b < num_blocks ? __ldcg(&s.block_counts[b * E + e]) : 0;  // other CTAs' atomics
+    }
+    int run = 0;
+#pragma unroll
+    for (int b = 0; b < kMaxPlanBlocks; ++b) {
+      if (b < num_blocks) {
+        s.block_base[b * E + e] = run;
+        s.block_counts[b * E + e] = 0;
+      }
+      run += h[b];
+    }
+    local_count[e] = run;
+  }
+}
+
+// Run by every thread of the last count CTA. `expert_count` is a shared [E] array (the CTA's
+// histogram, free by now): this rank's counts, then each expert's entries not yet moved (B3);
+// `alloc` is shared [E][R], alloc[e][d] entries of expert e computed on rank d.
+__device__ void exchange_and_balance(const PlanParams& p, int num_chunks, int* expert_count,
+                                     int32_t* alloc) {
   __shared__ uint32_t slotted[kMaxRanks][kMaxExperts / 32];  // (d, e): e in a slot of d
+  __shared__ int slot_expert[kMaxExperts];    // [R][B] experts_to_copy; R * B <= E
   __shared__ int z[kMaxRanks][kMaxRanks];
   __shared__ int group_tokens[kMaxRanks];
   __shared__ int cand_key[kMaxCandidates];    // remote pair (e, d) as e * kMaxRanks + d
   __shared__ int cand_count[kMaxCandidates];  // alloc[e, d] of the pair
   __shared__ int num_candidates;
-  __shared__ int total;
   __shared__ uint32_t epoch;
   const GroupView& g = p.group;
   const int E = p.num_experts, R = g.num_ranks, B = p.num_slots, epn = E / R;
@@ -235,84 +288,65 @@ __global__ void __launch_bounds__(kBalanceThreads)
   const Scratch s = scratch_of(g);
   const PeerArea* me = own_area(g);
 
-  // Phase A: local counts from the chunk histograms, which become exclusive chunk prefixes.
   if (tid == 0) epoch = next_epoch(g, kOpPlan);
-  for (int e = tid; e < E; e += blockDim.x) {
-    int run = 0;
-    for (int c0 = 0; c0 < num_chunks; c0 += kChunkLoadBatch) {
-      int h[kChunkLoadBatch];  // loads first, so that a batch costs one memory latency
-#pragma unroll
-      for (int k = 0; k < kChunkLoadBatch; ++k) {
-        h[k] = c0 + k < num_chunks ? s.chunk_counts[(c0 + k) * E + e] : 0;
-      }
-#pragma unroll
-      for (int k = 0; k < kChunkLoadBatch; ++k) {
-        if (c0 + k < num_chunks) s.chunk_counts[(c0 + k) * E + e] = run;
-        run += h[k];
-      }
-    }
-    count[e] = run;
-  }
+  sum_blocks(p, ceil_div(num_chunks, kChunksPerBlock), expert_count);
   __syncthreads();
   for (int i = tid; i < R * E; i += blockDim.x) {
-    g.areas[i / E]->counts[g.rank][i % E] = count[i % E];
-  }
-  // Invalid ids are this rank's business only: dropped like -1 and counted, so the peers need
-  // not hear of them and no rank traps (Plan.num_invalid_ids, docs/CONTRACT.md).
-  if (tid == 0) {
-    int invalid = 0;
-    for (int c = 0; c < num_chunks; ++c) invalid += s.chunk_invalid[c];
-    p.num_invalid_ids[0] = invalid;
+    g.areas[i / E]->counts[g.rank][i % E] = expert_count[i % E];
   }
   if (tid == 0) {
+    // Invalid ids are this rank's business only: dropped like -1 and counted, so the peers need
+    // not hear of them and no rank traps (Plan.num_invalid_ids, docs/CONTRACT.md).
+    p.num_invalid_ids[0] = atomicExch(&s.counters[kInvalidTotal], 0);
     publish(g, kMailboxRecvSrc, p.recv_src);
     publish(g, kMailboxRecvPrimary, p.recv_primary);
   }
-  barrier(g, kBarrierExchange, epoch, "plan: expert count exchange");
+  group_barrier(g, kBarrierExchange, epoch, "plan: expert count exchange");
 
   // B1: global counts, this rank's base per expert, everything at home.
-  if (tid < R) group_tokens[tid] = 0;
-  if (tid == 0) num_candidates = 0;
   if (tid < kMaxRanks * kMaxRanks) z[tid / kMaxRanks][tid % kMaxRanks] = 0;
-  if (tid == 0) total = 0;
+  if (tid == 0) num_candidates = 0;
   for (int i = tid; i < R * (kMaxExperts / 32); i += blockDim.x) {
     slotted[i / (kMaxExperts / 32)][i % (kMaxExperts / 32)] = 0;
   }
-  for (int i = tid; i < R * B; i += blockDim.x) p.experts_to_copy[i] = -1;
-  __syncthreads();
+  for (int i = tid; i < R * B; i += blockDim.x) slot_expert[i] = -1;
   for (int e = tid; e < E; e += blockDim.x) {
+    int v[kMaxRanks];  // loads first, so that they cost one memory latency
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) v[r] = r < R ? me->counts[r][e] : 0;
     int sum = 0, before = 0;
-    for (int r = 0; r < R; ++r) {
-      const int v = me->counts[r][e];
-      before += r < g.rank ? v : 0;
-      sum += v;
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      before += r < g.rank ? v[r] : 0;
+      sum += v[r];
     }
-    remaining[e] = sum;
+    expert_count[e] = sum;
     s.rank_base[e] = before;
-    for (int d = 0; d < R; ++d) s.alloc[e * R + d] = d == e / epn ? sum : 0;
-    atomicAdd(&group_tokens[e / epn], sum);
-    atomicAdd(&total, sum);
+    for (int d = 0; d < R; ++d) alloc[e * R + d] = d == e / epn ? sum : 0;
   }
   __syncthreads();
-  if (warp == 0) rank_transfers(R, group_tokens, total, z);  // B2
+  if (warp < R) {  // entries of home group `warp`
+    int tokens = 0;
+    for (int le = tid & 31; le < epn; le += 32) tokens += expert_count[warp * epn + le];
+    tokens = __reduce_add_sync(kFullMask, tokens);
+    if ((tid & 31) == 0) group_tokens[warp] = tokens;
+  }
   __syncthreads();
-  if (warp < R) split_home(warp, R, epn, remaining, z, s.alloc);  // B3
+  if (warp == 0) rank_transfers(R, group_tokens, z);  // B2
+  __syncthreads();
+  if (warp < R) split_home(warp, R, epn, expert_count, z, alloc);  // B3
   __syncthreads();
 
-  // Prefix over destinations, and the remote (expert, destination) pairs, staged in shared
-  // memory. Each pair comes from a B3 move, and home h makes at most epn + R - 1 moves (each one
-  // empties an expert or a quota), so there are fewer than E + R*R <= kMaxCandidates pairs.
+  // Prefix over destinations, and the remote (expert, destination) pairs. Each pair comes from a
+  // B3 move, and home h makes at most epn + R - 1 moves (each one empties an expert or a quota),
+  // so there are fewer than E + R*R <= kMaxCandidates pairs.
   for (int e = tid; e < E; e += blockDim.x) {
-    int a[kMaxRanks];
-#pragma unroll
-    for (int d = 0; d < kMaxRanks; ++d) a[d] = d < R ? s.alloc[e * R + d] : 0;
     int run = 0;
-#pragma unroll
-    for (int d = 0; d < kMaxRanks; ++d) {
-      if (d >= R) continue;
-      run += a[d];
+    for (int d = 0; d < R; ++d) {
+      const int a = alloc[e * R + d];
+      run += a;
       s.alloc_cum[e * R + d] = run;
-      if (d != e / epn && a[d] > 0) {
+      if (d != e / epn && a > 0) {
         const int j = atomicAdd(&num_candidates, 1);
         if (j >= kMaxCandidates) {  // impossible (see above); never write past the arrays
           printf("moonep: rank %d: internal error: more than %d remote experts\n", g.rank,
@@ -320,7 +354,7 @@ __global__ void __launch_bounds__(kBalanceThreads)
           __trap();
         }
         cand_key[j] = e * kMaxRanks + d;
-        cand_count[j] = a[d];
+        cand_count[j] = a;
       }
     }
   }
@@ -337,15 +371,81 @@ __global__ void __launch_bounds__(kBalanceThreads)
       position += key2 % kMaxRanks == d && (c2 > c || (c2 == c && key2 > key)) ? 1 : 0;
     }
     if (position < B) {
-      p.experts_to_copy[d * B + position] = e;
+      slot_expert[d * B + position] = e;
       atomicOr(&slotted[d][e >> 5], 1u << (e & 31));
     }
   }
   __syncthreads();
-  if (warp < R) layout_destination(p, warp, slotted[warp], s);  // phase C
+  for (int i = tid; i < R * B; i += blockDim.x) p.experts_to_copy[i] = slot_expert[i];
+  if (warp < R) layout_destination(p, warp, slotted[warp], slot_expert + warp * B, alloc, s);  // C
 }
 
-// ---- kernel 3: destinations ----------------------------------------------------------------
+// ---- kernel 1: histograms, then (last CTA) exchange and balancing ---------------------------
+
+__global__ void __launch_bounds__(kCountThreads)
+    plan_count_kernel(const PlanParams p, int tokens_per_chunk) {
+  __shared__ int hist[kMaxExperts];
+  __shared__ int invalid_count;
+  extern __shared__ int32_t alloc[];  // [E][R], for the last CTA
+  const int E = p.num_experts, tid = threadIdx.x, chunk = blockIdx.x;
+  const Scratch s = scratch_of(p.group);
+  for (int e = tid; e < E; e += blockDim.x) hist[e] = 0;
+  if (tid == 0) invalid_count = 0;
+  __syncthreads();
+
+  const int begin = chunk * tokens_per_chunk * p.top_k;
+  const int end = min(p.num_tokens, (chunk + 1) * tokens_per_chunk) * p.top_k;
+  for (int i = begin + tid; i < end; i += blockDim.x) {
+    const int id = p.topk_idx[i];
+    if (id >= 0 && id < E) {
+      atomicAdd(&hist[id], 1);
+    } else if (id != -1) {  // invalid: dropped like -1, never used as an index, counted
+      atomicAdd(&invalid_count, 1);
+    }
+  }
+  __syncthreads();
+  int32_t* block_counts = s.block_counts + chunk / kChunksPerBlock * E;
+  for (int e = tid; e < E; e += blockDim.x) {
+    const int h = hist[e];
+    s.chunk_counts[chunk * E + e] = h;
+    if (h != 0) atomicAdd(&block_counts[e], h);
+  }
+  if (tid == 0 && invalid_count != 0) atomicAdd(&s.counters[kInvalidTotal], invalid_count);
+  // Rows nobody owns stay -1. Peers write their rows only after the exchange barrier, which
+  // orders these stores (fenced in last_cta_done) before theirs.
+  for (int r = chunk * blockDim.x + tid; r < p.nvs; r += gridDim.x * blockDim.x) {
+    p.recv_src[r] = -1;
+    p.recv_primary[r] = -1;
+  }
+  if (!last_cta_done(&s.counters[kCountTicket])) return;
+  exchange_and_balance(p, gridDim.x, hist, alloc);
+}
+
+// ---- kernel 2: destinations, then (last CTA) the exit barrier -------------------------------
+
+constexpr int kIdsPerThread = kRouteWindow / kRouteThreads;
+
+// A window's expert ids, loaded into registers and then stored to shared memory, so that other
+// loads can be issued in between and share their latency.
+struct WindowIds {
+  int id[kIdsPerThread];
+
+  __device__ void load(const int32_t* topk_idx, int n) {
+#pragma unroll
+    for (int u = 0; u < kIdsPerThread; ++u) {
+      const int j = threadIdx.x + u * kRouteThreads;
+      id[u] = j < n ? topk_idx[j] : -1;
+    }
+  }
+
+  __device__ void store(int* win_id, int n) const {
+#pragma unroll
+    for (int u = 0; u < kIdsPerThread; ++u) {
+      const int j = threadIdx.x + u * kRouteThreads;
+      if (j < n) win_id[j] = id[u];
+    }
+  }
+};
 
 __global__ void __launch_bounds__(kRouteThreads)
     plan_route_kernel(const PlanParams p, int tokens_per_chunk) {
@@ -359,23 +459,42 @@ __global__ void __launch_bounds__(kRouteThreads)
   const int E = p.num_experts, K = p.top_k, R = g.num_ranks, tid = threadIdx.x;
   const int num_entries = p.num_tokens * K, chunk = blockIdx.x;
   const Scratch s = scratch_of(g);
+  const int window_tokens = kRouteWindow / K;
+  const int chunk_begin = chunk * tokens_per_chunk;
+  const int chunk_end = min(p.num_tokens, chunk_begin + tokens_per_chunk);
+  auto window_size = [&](int t0) { return (min(chunk_end, t0 + window_tokens) - t0) * K; };
 
+  WindowIds ids;
+  ids.load(p.topk_idx + chunk_begin * K, window_size(chunk_begin));
+  // The chunk's base: ranks before this one, blocks before this chunk's, and the chunks before it
+  // in its block.
+  const int block = chunk / kChunksPerBlock, block_first = block * kChunksPerBlock;
   for (int e = tid; e < E; e += blockDim.x) {
-    next_rank[e] = s.rank_base[e] + s.chunk_counts[chunk * E + e];
+    int h[kChunksPerBlock - 1];  // loads first, so that they cost one memory latency
+#pragma unroll
+    for (int k = 0; k < kChunksPerBlock - 1; ++k) {
+      h[k] = block_first + k < chunk ? s.chunk_counts[(block_first + k) * E + e] : 0;
+    }
+    int base = s.rank_base[e] + s.block_base[block * E + e];
+#pragma unroll
+    for (int k = 0; k < kChunksPerBlock - 1; ++k) base += h[k];
+    next_rank[e] = base;
   }
   if (tid < R) {
     peer_src[tid] = static_cast<int32_t*>(const_cast<void*>(peer_address(g, kMailboxRecvSrc, tid)));
     peer_primary[tid] =
         static_cast<int32_t*>(const_cast<void*>(peer_address(g, kMailboxRecvPrimary, tid)));
   }
+  ids.store(win_id, window_size(chunk_begin));
   __syncthreads();
 
-  const int window_tokens = kRouteWindow / K;
-  const int chunk_end = min(p.num_tokens, (chunk + 1) * tokens_per_chunk);
-  for (int t0 = chunk * tokens_per_chunk; t0 < chunk_end; t0 += window_tokens) {
-    const int first = t0 * K, n = (min(chunk_end, t0 + window_tokens) - t0) * K;
-    for (int j = tid; j < n; j += blockDim.x) win_id[j] = p.topk_idx[first + j];
-    __syncthreads();
+  for (int t0 = chunk_begin; t0 < chunk_end; t0 += window_tokens) {
+    const int first = t0 * K, n = window_size(t0);
+    if (t0 != chunk_begin) {  // the first window's ids came with the base
+      ids.load(p.topk_idx + first, n);
+      ids.store(win_id, n);
+      __syncthreads();
+    }
     // Stable rank within the expert: one warp walks the window in ascending i, 32 at a time.
     if (tid < 32) {
       for (int j0 = 0; j0 < n; j0 += 32) {
@@ -391,8 +510,8 @@ __global__ void __launch_bounds__(kRouteThreads)
       }
     }
     __syncthreads();
-    // Phase D: destination = number of d with alloc_cum[e, d] <= rank; row within its chunk.
-#pragma unroll 4
+    // Phase D: destination = number of d with alloc_cum[e, d] <= rank; row on it.
+#pragma unroll 2
     for (int j = tid; j < n; j += blockDim.x) {
       const int id = win_id[j];
       if (id < 0 || id >= E) {
@@ -400,12 +519,19 @@ __global__ void __launch_bounds__(kRouteThreads)
         continue;
       }
       const int rank_in_expert = win_row[j];
-      const int32_t* cum = s.alloc_cum + id * R;
-      int dest = 0;
-      for (int d = 0; d < R; ++d) dest += cum[d] <= rank_in_expert ? 1 : 0;
-      const int chunk_start = dest > 0 ? cum[dest - 1] : 0;
+      int cum[kMaxRanks], shift[kMaxRanks];  // loads first, so that they cost one memory latency
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d) {
+        cum[d] = d < R ? s.alloc_cum[id * R + d] : INT_MAX;
+        shift[d] = d < R ? s.row_shift[id * R + d] : 0;
+      }
+      int dest = 0, row_shift = 0;
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d) dest += cum[d] <= rank_in_expert ? 1 : 0;
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d) row_shift = d == dest ? shift[d] : row_shift;
       win_dest[j] = dest;
-      win_row[j] = s.expert_off[dest * kMaxExperts + id] + rank_in_expert - chunk_start;
+      win_row[j] = rank_in_expert + row_shift;
     }
     __syncthreads();
     // Duplicates: the lowest k of the token going to the same rank is the primary.
@@ -437,21 +563,13 @@ __global__ void __launch_bounds__(kRouteThreads)
     }
     __syncthreads();
   }
-  __threadfence_system();  // the exit barrier (next kernel) publishes these peer stores
-}
-
-// ---- kernel 4: exit barrier ----------------------------------------------------------------
-
-__global__ void plan_exit_kernel(const GroupView g) {
-  barrier(g, kBarrierExit, current_epoch(g, kOpPlan), "plan: exit");
+  // The exit barrier publishes every CTA's peer stores (fenced in last_cta_done).
+  if (!last_cta_done(&s.counters[kRouteTicket])) return;
+  group_barrier(g, kBarrierExit, current_epoch(g, kOpPlan), "plan: exit");
 }
 
 MOONEP_PRELOAD_KERNEL(plan_count_kernel);
-MOONEP_PRELOAD_KERNEL(plan_balance_kernel);
 MOONEP_PRELOAD_KERNEL(plan_route_kernel);
-MOONEP_PRELOAD_KERNEL(plan_exit_kernel);
-
-int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 }  // namespace
 
@@ -463,14 +581,53 @@ cudaError_t launch_plan(const PlanParams& p, cudaStream_t stream) {
   const int tokens_per_chunk = ceil_div(p.num_tokens, wanted);
   const int num_chunks = ceil_div(p.num_tokens, tokens_per_chunk);
 
-  plan_count_kernel<<<num_chunks, kCountThreads, 0, stream>>>(p, tokens_per_chunk);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  plan_balance_kernel<<<1, kBalanceThreads, 0, stream>>>(p, num_chunks);
+  // The last count CTA keeps alloc [E][R] in dynamic shared memory. The limit is set to the
+  // largest size, the same on every call and every thread, so concurrent launches agree on it.
+  constexpr int kMaxAllocBytes = int(sizeof(int32_t)) * kMaxExperts * kMaxRanks;
+  if (cudaError_t err = cudaFuncSetAttribute(
+          plan_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxAllocBytes);
+      err != cudaSuccess) {
+    return err;
+  }
+  const size_t alloc_bytes = sizeof(int32_t) * p.num_experts * p.group.num_ranks;
+  plan_count_kernel<<<num_chunks, kCountThreads, alloc_bytes, stream>>>(p, tokens_per_chunk);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   plan_route_kernel<<<num_chunks, kRouteThreads, 0, stream>>>(p, tokens_per_chunk);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  plan_exit_kernel<<<1, 32, 0, stream>>>(p.group);
   return cudaGetLastError();
+}
+
+cudaError_t plan_graph_nodes(int num_experts, int top_k, int num_tokens, int num_ranks,
+                             int* kernel_nodes, int* other_nodes) {
+  PlanParams p{};  // sizes only: captured launches never run, so no pointer is dereferenced
+  p.num_experts = num_experts;
+  p.top_k = top_k;
+  p.num_tokens = num_tokens;
+  p.group.num_ranks = num_ranks;
+  cudaStream_t stream;
+  if (cudaError_t err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      err != cudaSuccess) {
+    return err;
+  }
+  cudaGraph_t graph = nullptr;
+  cudaError_t err = cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
+  if (err == cudaSuccess) {
+    const cudaError_t launched = launch_plan(p, stream);
+    err = cudaStreamEndCapture(stream, &graph);
+    if (launched != cudaSuccess) err = launched;
+  }
+  size_t n = 0;
+  if (err == cudaSuccess) err = cudaGraphGetNodes(graph, nullptr, &n);
+  std::vector<cudaGraphNode_t> nodes(n);
+  if (err == cudaSuccess) err = cudaGraphGetNodes(graph, nodes.data(), &n);
+  *kernel_nodes = *other_nodes = 0;
+  for (size_t i = 0; i < n && err == cudaSuccess; ++i) {
+    cudaGraphNodeType type;
+    err = cudaGraphNodeGetType(nodes[i], &type);
+    if (err == cudaSuccess) ++*(type == cudaGraphNodeTypeKernel ? kernel_nodes : other_nodes);
+  }
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  return err;
 }
 
 }  // namespace moonep

@@ -12,8 +12,9 @@
 namespace moonep {
 
 // The local entries are cut into token-aligned chunks of about kPlanChunkEntries entries: one
-// CTA each for the histogram and for the routing, and one [E] row of per-chunk counts in the
-// planner scratch, so at most min(kMaxPlanChunks, kPlanChunkCountInts / E) chunks.
+// CTA each for the histogram and for the routing (the grid of both kernels), and one [E] row of
+// per-chunk counts in the planner scratch, so at most min(kMaxPlanChunks, kPlanChunkCountInts / E)
+// chunks.
 constexpr int kMaxPlanChunks = 256;
 constexpr int kPlanChunkEntries = 512;
 constexpr int kPlanChunkCountInts = 64 * 1024;
@@ -39,9 +40,14 @@ struct PlanParams {
   int32_t* num_invalid_ids;  // [1] entries of topk_idx with ids outside [-1, E)
 };
 
-// Enqueues the planner (four kernels, two cross-GPU barriers) on `stream`. Every rank of the
-// group must call it with the same sizes. Expert ids outside [-1, E) are dropped like -1 and
-// counted in num_invalid_ids, exactly as the xla reference does.
+// Enqueues the planner on `stream`: two kernels, each ending with a cross-GPU barrier (none in a
+// group of one) in its last CTA to finish. Every rank of the group must call it with the same sizes. Expert ids outside
+// [-1, E) are dropped like -1 and counted in num_invalid_ids, exactly as the xla reference does.
 cudaError_t launch_plan(const PlanParams& params, cudaStream_t stream);
+
+// What launch_plan enqueues for these sizes, counted by capturing it into a CUDA graph on the
+// current device (nothing runs): kernel nodes and any other nodes. For tests/test_plan_cuda.py.
+cudaError_t plan_graph_nodes(int num_experts, int top_k, int num_tokens, int num_ranks,
+                             int* kernel_nodes, int* other_nodes);
 
 }  // namespace moonep

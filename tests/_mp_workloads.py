@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
 import signal
 
@@ -253,6 +254,86 @@ def gpu_suite(seed: int, maxvios: tuple, cases: tuple, calls: int, impl: str = "
     ops = gpu_vs_cpu(seed, maxvios, cases, impl, backend)
     return {"ops": ops,
             "loop": back_to_back(seed + 1, calls, cases[0][1], impl=impl, backend=backend)}
+
+
+# ---- GPU: the planner back to back, with many CTAs per kernel grid and changing shapes --------
+
+@functools.cache
+def _plan_fn(impl: str, backend: str, sizes: Sizes):
+    mesh = mesh_of(backend)
+    cfg = config(mesh.devices.size, sizes, impl)
+    if impl == "cuda":
+        moonep_jax.bootstrap(mesh, "ep")
+
+    def per_rank(topk_idx):
+        p = moonep_jax.plan(topk_idx, cfg)
+        return _stack({f.name: getattr(p, f.name) for f in dataclasses.fields(p)})
+
+    return mesh, jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+
+
+def _plan_routing(seed: int, R: int, sizes: Sizes, maxvio: float, invalid: bool) -> np.ndarray:
+    """`global_inputs`' routing; with `invalid`, 2% of the entries get ids outside [-1, E)."""
+    idx = global_inputs(seed, R, sizes, maxvio, np.float32)["topk_idx"].copy()
+    if invalid:
+        rng = np.random.default_rng(seed)
+        bad = rng.random(idx.shape) < 0.02
+        idx[bad] = rng.choice(np.array([sizes.E, 1000, -2], np.int32), size=int(bad.sum()))
+    return idx
+
+
+def _digests(shards: dict) -> dict:
+    """`{(name, shard start): sha256 of the shard}` of this process's `local_shards`."""
+    return {(name, start): hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+            for name, leaf in shards.items() for start, a in leaf}
+
+
+def plan_back_to_back(seed: int, calls: int, shapes: tuple, distinct: int = 4,
+                      impl: str = "cuda", backend: str = "gpu") -> dict:
+    """`calls` plans back to back (no sync between them), call i of shape `shapes[i % n]` and of
+    routing `(i // n) % distinct` of that shape (maxvio 0 to 20, invalid ids in the odd ones).
+    Returns digests of this process's shards, not arrays (the shapes are large):
+    `{"cuda": [(key, digests) per call], "xla": {key: digests}}`, key = (shape, routing)."""
+    maxvios = (0.0, 1.0, 10.0, 20.0)
+    routings = {}
+    for j, sizes in enumerate(shapes):
+        R = _plan_fn(impl, backend, sizes)[0].devices.size
+        for r in range(distinct):
+            routings[j, r] = _plan_routing(seed + 100 * j + r, R, sizes, maxvios[r % len(maxvios)],
+                                           r % 2 == 1)
+    placed = {key: put(_plan_fn(impl, backend, shapes[key[0]])[0], idx)
+              for key, idx in routings.items()}
+    schedule = [(i % len(shapes), i // len(shapes) % distinct) for i in range(calls)]
+    results = [_plan_fn(impl, backend, shapes[key[0]])[1](placed[key]) for key in schedule]
+    jax.block_until_ready(results)
+    moonep_jax.check_transport_errors()
+    references = {}
+    for key, idx in routings.items():
+        mesh, xla = _plan_fn("xla", "cpu", shapes[key[0]])
+        references[key] = _digests(local_shards(xla(put(mesh, idx))))
+    return {"cuda": [(key, _digests(local_shards(r))) for key, r in zip(schedule, results)],
+            "xla": references}
+
+
+def check_plan_loop(values: list[dict], where: str, calls: int, num_ranks: int) -> None:
+    """Asserts what `plan_back_to_back` returned in every process: every call's plan, all fields
+    of all ranks, bitwise equal to its reference."""
+    def merged(dicts):
+        out = {}
+        for d in dicts:
+            out.update(d)
+        return out
+
+    references = {key: merged(v["xla"][key] for v in values) for key in values[0]["xla"]}
+    num_fields = len(dataclasses.fields(moonep_jax.Plan))
+    for want in references.values():
+        assert len(want) == num_fields * num_ranks, sorted(want)
+    assert len(values[0]["cuda"]) == calls
+    for call in range(calls):
+        key = values[0]["cuda"][call][0]
+        got, want = merged(v["cuda"][call][1] for v in values), references[key]
+        differ = sorted({name for name, start in want if got.get((name, start)) != want[name, start]})
+        assert not differ, f"{where} call {call} (shape, routing) {key}: {differ} differ"
 
 
 # Results of the grouped GEMM and of what depends on it; all others are bitwise.

@@ -108,3 +108,14 @@ def test_gpu_suite_harness_on_cpu(seed):
     results = launch.run(f"{WORKLOADS}:gpu_suite", 2, (seed, (0.0, 2.0), cases, 12, "xla", "cpu"),
                          timeout_s=240)
     check_suite([r.value for r in results], "cpu harness", 12)
+
+
+def test_plan_loop_harness_on_cpu(seed):
+    """tests/test_multiprocess_gpu.py's planner loop and check, with the xla planner on the CPU
+    standing in for the CUDA one."""
+    from _mp_workloads import check_plan_loop
+
+    shapes = (Sizes(S=40, K=2, E=8), Sizes(S=24, K=3, E=8, B=1, tp=2))
+    results = launch.run(f"{WORKLOADS}:plan_back_to_back", 2, (seed, 10, shapes, 2, "xla", "cpu"),
+                         timeout_s=240)
+    check_plan_loop([r.value for r in results], "cpu harness", 10, 2)

@@ -9,8 +9,10 @@ computes the xla reference on the job's CPU devices (gloo), on the same inputs:
   and moe_ffn forward and gradients within `||a - b|| / ||b|| < 1e-2` (the CuTe GEMM
   accumulates in another order than XLA's CPU dot, as in the single-process GPU tests);
 at maxvio 0 to 20 with repeated ids and -1 entries; then 1000 back-to-back calls with changing
-routings, each bitwise equal to its reference. The last test kills one process mid-run: the
-others' bounded waits fire (rank and epoch in the report) and they exit; nothing hangs.
+routings, each bitwise equal to its reference; and 1000 plans back to back with many CTAs per
+kernel grid and changing shapes and routings (invalid ids in some), each bitwise equal. The last
+test kills one process mid-run: the others' bounded waits fire (rank and epoch in the report) and
+they exit; nothing hangs.
 
 Run from a test process that stays off the GPU: `JAX_PLATFORMS=cpu` (tools/gpu.sh run does).
 """
@@ -26,7 +28,7 @@ import pytest
 
 from moonep_jax import launch
 
-from _mp_workloads import Sizes, check_suite
+from _mp_workloads import Sizes, check_plan_loop, check_suite
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess_gpu]
 
@@ -36,6 +38,10 @@ TRAIN = Sizes(S=32, K=2, E=64, H=64, F=32)
 INFER = Sizes(S=32, K=2, E=64, H=64, F=32, B=2, tp=2)
 CASES = (("train", TRAIN, True), ("infer", INFER, False))
 CALLS = 1000
+# Plan grids of 40 CTAs (3 blocks of chunks, the last partial), 8 and 32 per rank, and the largest
+# E (alloc [E, R] takes more than the default 48 KiB of shared memory at R >= 2), in turn.
+PLAN_SHAPES = (Sizes(S=2500, K=8, E=64), Sizes(S=600, K=6, E=48, B=2, tp=4),
+               Sizes(S=4096, K=4, E=32, tp=2), Sizes(S=256, K=8, E=2048))
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +61,16 @@ def test_cuda_ops_in_processes_sharing_one_gpu_match_xla(mps_env, seed, R):
     results = launch.run(f"{WORKLOADS}:gpu_suite", R, (seed, MAXVIOS, CASES, CALLS),
                          platform="gpu", env=_env(mps_env, R), timeout_s=300)
     check_suite([r.value for r in results], f"R={R}", CALLS)
+
+
+@pytest.mark.parametrize("R", [2, 8])
+def test_plan_back_to_back_with_many_ctas_in_processes_matches_xla(mps_env, seed, R):
+    """1000 plans back to back whose kernel grids have many CTAs (the last one of each waits on
+    the peers' grids, which run in other processes) and whose shapes change from call to call:
+    every call bitwise equal to its reference (tickets, block sums, invalid counts reset)."""
+    results = launch.run(f"{WORKLOADS}:plan_back_to_back", R, (seed, CALLS, PLAN_SHAPES),
+                         platform="gpu", env=_env(mps_env, R), timeout_s=300)
+    check_plan_loop([r.value for r in results], f"R={R}", CALLS, R)
 
 
 def test_dead_process_makes_the_others_exit_through_bounded_waits(mps_env, seed):

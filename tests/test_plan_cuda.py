@@ -3,8 +3,9 @@
 GPU tests (marked `gpu`) run the public `moonep_jax.plan` with implementation "cuda" and "xla" on
 the same routings and require `np.array_equal` on every Plan field, on R = 1, 2 and all local GPUs,
 over maxvio 0 / 0.2 / 1 / 10 / 20 with dropped (-1) entries and duplicate ids, and with invalid
-ids (outside [-1, E)), which both drop and count. Back-to-back calls
-run in subprocesses, once with XLA's default command buffers and once with them disabled. The CPU
+ids (outside [-1, E)), which both drop and count. 1000 back-to-back calls with changing routings
+(one chunk per kernel grid, or many chunks with the shapes changing from call to call) run in
+subprocesses, once with XLA's default command buffers and once with them disabled. The CPU
 tests cover how the transport finds EP groups and reports a mesh it cannot see.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -24,7 +26,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import moonep_jax
-from moonep_jax import routing
+from moonep_jax import _ffi, routing
 from moonep_jax._cuda import transport
 
 plan_module = importlib.import_module("moonep_jax.plan")
@@ -135,34 +137,56 @@ def test_plan_found_under_set_mesh(seed):
     _assert_plans_equal(cuda, xla)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("E, K, S, R", [(384, 8, 8192, 1), (384, 8, 8192, 8), (2048, 8, 256, 8),
+                                        (32, 4, 16, 1)])
+def test_plan_enqueues_two_kernels(E, K, S, R):
+    """The planner as the FFI handler launches it, captured into a CUDA graph (nothing runs): two
+    kernel nodes and nothing else, at the record shape, the largest E and a one-chunk grid."""
+    if _gpu_count() == 0:
+        pytest.skip("needs a GPU")
+    assert _ffi.lib().plan_graph_nodes(E, K, S, R) == (2, 0)
+
+
 # ---- back-to-back calls, with and without XLA command buffers (subprocesses: flags are global) ---
 
 _BACK_TO_BACK = textwrap.dedent("""
-    import hashlib, importlib, sys
+    import hashlib, importlib, json, sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     import moonep_jax
     from moonep_jax._cuda import transport
     plan_module = importlib.import_module("moonep_jax.plan")
 
-    R, S, K, E, CALLS, seed = len(jax.devices()), 64, 4, 8 * len(jax.devices()), 1000, int(sys.argv[1])
+    # Calls cycle through the shapes [S, K, experts per rank, fraction of invalid ids].
+    seed, shapes = int(sys.argv[1]), json.loads(sys.argv[2])
+    R, CALLS = len(jax.devices()), 1000
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
     transport.bootstrap(mesh, "ep")
-    cfg = dict(num_experts=E, top_k=K, tokens_per_rank=S, hidden=8, ffn_hidden=8, num_ranks=R,
-               token_padding=2)
-    cfgs = [moonep_jax.EPConfig(**cfg, implementation=i) for i in ("cuda", "xla")]
-    fs = [jax.jit(jax.shard_map(lambda idx, c=c: jax.tree.map(lambda a: a[None],
-                                                              plan_module.plan(idx, c)),
-                                mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))) for c in cfgs]
+
+    def plans(S, K, E):
+        cfg = dict(num_experts=E, top_k=K, tokens_per_rank=S, hidden=8, ffn_hidden=8,
+                   num_ranks=R, token_padding=2)
+        cfgs = [moonep_jax.EPConfig(**cfg, implementation=i) for i in ("cuda", "xla")]
+        return [jax.jit(jax.shard_map(lambda idx, c=c: jax.tree.map(lambda a: a[None],
+                                                                    plan_module.plan(idx, c)),
+                                      mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+                for c in cfgs]
+
+    fns = [plans(S, K, epr * R) for S, K, epr, _ in shapes]
     rng = np.random.default_rng(seed)
     digests = [hashlib.sha256(), hashlib.sha256()]
     sharding = NamedSharding(mesh, P("ep"))
     outs = [[], []]
     for call in range(CALLS):
+        S, K, epr, invalid = shapes[call % len(shapes)]
+        E, fs = epr * R, fns[call % len(shapes)]
         # K distinct experts per token from a fresh log-normal popularity (Gumbel top-k).
         scores = rng.normal(0.0, 3.0 * rng.random(), size=E) + rng.gumbel(size=(R * S, E))
         topk = np.argsort(-scores, axis=1)[:, :K].astype(np.int32)
         topk[rng.random(topk.shape) < 0.05] = -1
+        bad = rng.random(topk.shape) < invalid
+        topk[bad] = rng.choice(np.array([E, 1000, -2], np.int32), size=int(bad.sum()))
         x = jax.device_put(topk, sharding)
         for j, f in enumerate(fs):
             outs[j].append(f(x))   # enqueue back to back; read after the loop
@@ -176,9 +200,17 @@ _BACK_TO_BACK = textwrap.dedent("""
 """)
 
 
+# [S, K, experts per rank, fraction of invalid ids] per call, cycled. One chunk per grid; or
+# grids of 40 (3 blocks of chunks, the last one partial), 8 and 32 CTAs in turn, with invalid ids
+# in every third call: each call's tickets, block sums and invalid count must start from zero.
+ONE_CHUNK = [[64, 4, 8, 0.0]]
+MANY_CHUNKS = [[2500, 8, 16, 0.0], [600, 6, 12, 0.01], [4096, 4, 8, 0.0]]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("shapes", [ONE_CHUNK, MANY_CHUNKS], ids=["one_chunk", "many_chunks"])
 @pytest.mark.parametrize("command_buffers", [True, False], ids=["command_buffers", "no_command_buffers"])
-def test_plan_back_to_back_calls_hash_equal_to_xla(command_buffers, seed):
+def test_plan_back_to_back_calls_hash_equal_to_xla(command_buffers, shapes, seed):
     if _gpu_count() == 0:
         pytest.skip("needs a GPU")
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
@@ -186,8 +218,8 @@ def test_plan_back_to_back_calls_hash_equal_to_xla(command_buffers, seed):
     if not command_buffers:
         flags.append("--xla_gpu_enable_command_buffer=")
     env = dict(os.environ, XLA_FLAGS=" ".join(flags))
-    proc = subprocess.run([sys.executable, "-c", _BACK_TO_BACK, str(seed)], env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", _BACK_TO_BACK, str(seed), json.dumps(shapes)],
+                          env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 

@@ -3,10 +3,13 @@
 // bootstrap functions.
 #include <pybind11/pybind11.h>
 
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #include "kernels/constants.h"
 #include "kernels/grouped_gemm.h"
+#include "kernels/plan.h"
 #include "xla_ffi/handlers.h"
 #include "xla_ffi/transport.h"
 
@@ -37,6 +40,20 @@ PYBIND11_MODULE(_moonep_jax_cuda, m) {
   m.def("gmm_table_rows", &moonep::gmm_table_rows, py::arg("num_rows"), py::arg("num_groups"),
         py::arg("overflow"), "Rows of the grouped GEMM's [rows, 4] int32 tile-table scratch.");
   m.attr("GMM_TILE_M") = moonep::kGmmTileM;
+  m.def(
+      "plan_graph_nodes",
+      [](int num_experts, int top_k, int num_tokens, int num_ranks) {
+        int kernels = 0, others = 0;
+        const cudaError_t err =
+            moonep::plan_graph_nodes(num_experts, top_k, num_tokens, num_ranks, &kernels, &others);
+        if (err != cudaSuccess) {
+          throw std::runtime_error(std::string("plan_graph_nodes: ") + cudaGetErrorString(err));
+        }
+        return py::make_tuple(kernels, others);
+      },
+      py::arg("num_experts"), py::arg("top_k"), py::arg("num_tokens"), py::arg("num_ranks"),
+      "(kernel nodes, other nodes) of the CUDA planner for these sizes, captured into a CUDA "
+      "graph on the current device (nothing runs).");
   // kernels/constants.h, for tests/test_constants.py to hold the Python copies to.
   m.attr("MAX_TOP_K") = moonep::kMaxTopK;
   m.attr("DROPPED") = moonep::kDropped;

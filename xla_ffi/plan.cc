@@ -1,6 +1,6 @@
 // XLA FFI handler `moonep_plan`: decodes the operand, results and sizes, finds this device's EP
 // group and rank in the transport registry, and launches the CUDA planner (kernels/plan.h).
-// Graph-safe: after the group's context exists the host part is a lookup plus four launches.
+// Graph-safe: after the group's context exists the host part is a lookup, a kernel attribute and two launches.
 #include <cuda_runtime.h>
 
 #include <cstdint>
