@@ -73,8 +73,8 @@ __device__ bool owner_names_row(const DispatchParams& p, int32_t value, int32_t 
   return false;
 }
 
-// Whether primary row `q` (recv_primary[q] == q) is pulled: an entry owns it and the owner's dst
-// names q as that entry's primary row.
+// Whether primary row `q` (recv_primary[q] == q, owner `o`) is pulled: an entry owns it and the
+// owner's dst names q as that entry's primary row (row_action's test, seen from a duplicate).
 __device__ bool is_pulled(const DispatchParams& p, const Sources& s, int32_t q, Owner o) {
   return o.src >= 0 && owner_names_row(p, __ldcg(s.dst[o.src] + o.entry), q, true);
 }
@@ -87,8 +87,9 @@ enum RowAction : int32_t { kZero, kPull, kByPrimary };
 
 __device__ RowAction row_action(const DispatchParams& p, const Sources& s, int32_t row, Owner o) {
   if (o.src < 0) return kZero;
+  const int32_t own_dst = __ldcg(s.dst[o.src] + o.entry);  // in flight during the local reads
   const int32_t q = p.recv_primary[row];
-  if (q == row) return is_pulled(p, s, row, o) ? kPull : kZero;
+  if (q == row) return owner_names_row(p, own_dst, row, true) ? kPull : kZero;
   if (!is_row(q, p.nvs) || p.recv_primary[q] != q) {
     report_bad_row(p, q, "plan.recv_primary is not a primary row");
     return kZero;
@@ -100,7 +101,7 @@ __device__ RowAction row_action(const DispatchParams& p, const Sources& s, int32
     report_bad_row(p, row, "plan.dst disagrees with plan.recv_src");
     return kZero;
   }
-  return owner_names_row(p, __ldcg(s.dst[o.src] + o.entry), row, false) ? kByPrimary : kZero;
+  return owner_names_row(p, own_dst, row, false) ? kByPrimary : kZero;
 }
 
 // Every entry of this rank's dst is decoded once here: a dst naming a rank outside the group is
@@ -120,45 +121,64 @@ __device__ void zero_row(const DispatchParams& p, int32_t row, int lane) {
   for (int64_t i = lane; i < row_vecs; i += 32) out[i] = Vec{};
 }
 
+// A lane's part of one chunk of a row: vectors i + u*32 (u < kUnroll), those below row_vecs.
+template <typename Vec>
+__device__ __forceinline__ void load_chunk(const Vec* in, int64_t i, int64_t row_vecs,
+                                           Vec (&v)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u)
+    if (i + u * 32 < row_vecs) v[u] = __ldcg(in + i + u * 32);
+}
+
+template <typename Vec>
+__device__ __forceinline__ void store_chunk(Vec* out, int64_t i, int64_t row_vecs,
+                                            const Vec (&v)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u)
+    if (i + u * 32 < row_vecs) out[i + u * 32] = v[u];
+}
+
 // The warp pulls the token of primary row `primary` (owner `o`) once and writes it to every row
 // of this rank that the token's entries own: lane k < K reads entry k's dst and weight from the
 // source, keeps its row if it is `primary` or a duplicate of it (the conditions of row_action),
-// and writes its weight; then the warp loads the row, kUnroll vectors per lane at a time, from
-// L2 (__ldcg: a peer's buffer, never an L1 line of an earlier call) and stores it to those rows.
+// and writes its weight; the warp loads the row, kUnroll vectors per lane at a time, from L2
+// (__ldcg: a peer's buffer, never an L1 line of an earlier call) and stores each chunk to those
+// rows. The first chunk is in flight while the token's dst and weights arrive. Loops are
+// warp-uniform (chunks counted from 0, not from the lane), as the shuffles need every lane.
 template <typename Vec>
 __device__ void pull_token(const DispatchParams& p, const Sources& s, int32_t primary, Owner o,
                            int lane) {
   const int32_t first = o.entry - o.entry % p.top_k;  // t*K of the token
+  const int64_t row_vecs = p.row_bytes / static_cast<int64_t>(sizeof(Vec));
+  const Vec* in = reinterpret_cast<const Vec*>(s.x[o.src] + (first / p.top_k) * p.row_bytes);
+  Vec v[kUnroll];
+  load_chunk(in, lane, row_vecs, v);
+
   int32_t row = -1;
   if (lane < p.top_k) {
     const int32_t entry = first + lane;
-    const int32_t v = __ldcg(s.dst[o.src] + entry);
+    const int32_t value = __ldcg(s.dst[o.src] + entry);
+    const float weight = __ldcg(s.topk_w[o.src] + entry);  // with the dst, not after the checks
     if (entry == o.entry) {
-      row = primary;  // its dst names `primary` (is_pulled)
-    } else if (v < 0 && v != kDropped) {
-      const int32_t r = -(v + 1) - p.group.rank * p.nvs;
+      row = primary;  // row_action found that its dst names `primary`
+    } else if (value < 0 && value != kDropped) {
+      const int32_t r = -(value + 1) - p.group.rank * p.nvs;
       const int32_t owner = o.src * num_entries(p) + entry;  // R*N <= R*NvS < 2^31
       if (is_row(r, p.nvs) && p.recv_primary[r] == primary && p.recv_src[r] == owner) row = r;
     }
-    if (row >= 0) p.recv_w[row] = __ldcg(s.topk_w[o.src] + entry);
+    if (row >= 0) p.recv_w[row] = weight;
   }
   const unsigned rows = __ballot_sync(kFullMask, row >= 0);
-  const int64_t row_vecs = p.row_bytes / static_cast<int64_t>(sizeof(Vec));
-  const int32_t token = first / p.top_k;
-  const Vec* in = reinterpret_cast<const Vec*>(s.x[o.src] + token * p.row_bytes);
+
   char* recv_x = static_cast<char*>(p.recv_x);
-  for (int64_t base = lane; base < row_vecs; base += 32 * kUnroll) {
-    Vec v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (base + u * 32 < row_vecs) v[u] = __ldcg(in + base + u * 32);
+  for (int64_t chunk = 0;;) {
     for (unsigned m = rows; m; m &= m - 1) {
       const int32_t to = __shfl_sync(kFullMask, row, __ffs(m) - 1);
-      Vec* out = reinterpret_cast<Vec*>(recv_x + to * p.row_bytes);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (base + u * 32 < row_vecs) out[base + u * 32] = v[u];
+      store_chunk(reinterpret_cast<Vec*>(recv_x + to * p.row_bytes), chunk + lane, row_vecs, v);
     }
+    chunk += 32 * kUnroll;
+    if (chunk >= row_vecs) break;
+    load_chunk(in, chunk + lane, row_vecs, v);
   }
 }
 
@@ -166,7 +186,8 @@ __device__ void pull_token(const DispatchParams& p, const Sources& s, int32_t pr
 // receive rows at once (one per lane), zeroes the rows no entry owns (recv_x and recv_w), then
 // pulls each primary row's token and writes it to the primary and its duplicate rows.
 template <typename Vec>
-__global__ void __launch_bounds__(kThreads, 2) dispatch_pull_kernel(const __grid_constant__ DispatchParams p) {
+__global__ void __launch_bounds__(kThreads, 2)
+    dispatch_pull_kernel(const __grid_constant__ DispatchParams p) {
   __shared__ Sources s;
   if (threadIdx.x < p.group.num_ranks) {
     const int peer = threadIdx.x;
