@@ -15,7 +15,7 @@ Each time is a loop of `--iters` calls inside one jitted shard_map, divided by t
 call's output feeds a one-row update of the next call's input, so nothing is hoisted), median of
 `--reps` runs after a warm-up. Bandwidth is reported three ways per rank (the slowest rank):
 S*K*H*2/t, remote bytes/t (entries whose destination is another rank) and deduplicated remote
-bytes/t (one row per (token, remote destination rank), what dispatch sends).
+bytes/t (one row per (token, remote destination rank), what dispatch moves over the links).
 
 Writes `<out>/bench_dispatch_<gpu>x<count>.json` (and a PNG plot when matplotlib is importable).
 `--quick` runs a tiny shape (CPU smoke test; on CPU only the xla path and all_to_all run).
@@ -190,9 +190,9 @@ def ragged_dispatch_step(cfg: moonep_jax.EPConfig):
 def traffic(dst: np.ndarray, cfg: moonep_jax.EPConfig, ranks=None) -> dict:
     """Rows each rank sends, from its plan: `dst [len(ranks), N]` of `ranks` (default: the
     stacked plans of all R ranks). Per rank: its valid entries, the tokens with one, the entries
-    and the primary rows (`dst >= 0`: one per (token, destination rank), what dispatch sends;
-    duplicates are copied at the receiver) bound for other ranks, and per destination rank the
-    entries and primaries sent there. Lists in rank order."""
+    and the primary rows (`dst >= 0`: one per (token, destination rank), what dispatch moves;
+    the receiver writes the duplicate rows from the same read) bound for other ranks, and per
+    destination rank the entries and primaries sent there. Lists in rank order."""
     R, S, K = cfg.num_ranks, cfg.tokens_per_rank, cfg.top_k
     ranks = np.arange(R) if ranks is None else np.asarray(ranks)
     n = len(ranks)
@@ -212,27 +212,29 @@ def traffic(dst: np.ndarray, cfg: moonep_jax.EPConfig, ranks=None) -> dict:
 def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: int) -> dict:
     """Per op and rank, the bytes its kernels read and write, from `traffic` of all R ranks:
     row data, route weights and the plan arrays the data kernels read (not the barriers'
-    flags). A rank's stores into a peer's buffers count as that rank's writes.
+    flags). A rank's loads from a peer's buffers count as that rank's reads.
 
-    dispatch: each token with a valid entry is read once and stored once per primary row (in
-    whichever rank's receive buffer), weights per entry; the receiver copies each duplicate row
-    from its primary and zeroes rows no entry owns. combine: every valid entry's row is read from
-    the rank that holds it, one [S, H] output written. plan: topk_idx in and the Plan out only
-    (its histogram exchange is not counted)."""
-    N, nvs, S = cfg.num_entries, cfg.nvs, cfg.tokens_per_rank
-    entries, tokens, primaries = (np.array(rows[k]) for k in ("entries", "tokens_sent",
-                                                               "primary_rows"))
+    dispatch (the receiver pulls): each (token, receiving rank) pair's row is read once from the
+    sender, and every one of the NvS receive rows written once (owned rows from that read,
+    padding zeroed) with its weight. Besides: the receiver's recv_src and recv_primary, its own
+    dst (checked), per pulled token the K dst entries and weights of its source, per owned row
+    its owner's dst entry, per duplicate row its primary's recv_src, recv_primary and dst entry
+    and, when its primary is pulled, its own recv_src and recv_primary again. The link carries
+    one row per (token, remote rank): `dedup_remote_rows`. combine: every valid entry's row is
+    read from the rank that holds it, one [S, H] output written. plan: topk_idx in and the Plan
+    out only (its histogram exchange is not counted)."""
+    N, nvs, S, K = cfg.num_entries, cfg.nvs, cfg.tokens_per_rank, cfg.top_k
+    entries = np.array(rows["entries"])
     received = np.sum(rows["entries_to"], axis=0)           # receive rows owned, per rank
-    duplicates = received - np.sum(rows["primaries_to"], axis=0)
-    unowned = nvs - received
+    pulled = np.sum(rows["primaries_to"], axis=0)           # (token, this rank) pairs read
+    duplicates = received - pulled
     R = len(entries)
     per_rank = lambda v: (np.broadcast_to(v, (R,)).astype(int)).tolist()  # noqa: E731
     return {
         "plan": {"read": per_rank(N * 4), "written": per_rank(plan_bytes)},
-        "dispatch": {"read": per_rank(tokens * row_bytes + entries * 4 + N * 4
-                                      + duplicates * row_bytes + nvs * 8),
-                     "written": per_rank(primaries * row_bytes + entries * 4
-                                         + duplicates * row_bytes + unowned * (row_bytes + 4))},
+        "dispatch": {"read": per_rank(pulled * (row_bytes + K * 8) + received * 4
+                                      + duplicates * 20 + nvs * 8 + N * 4),
+                     "written": per_rank(nvs * (row_bytes + 4))},
         "combine": {"read": per_rank(entries * row_bytes + N * 4),
                     "written": per_rank(S * row_bytes)},
     }

@@ -18,9 +18,9 @@ class Plan:
     Attributes:
       dst: `[N] int32`, N = S*K, entry `i = t*K + k`. `dest*NvS + row` for the entry that owns
         row `row` of rank `dest`; `-(dest*NvS + row) - 1` for a duplicate (a lower k of the same
-        token already goes to `dest`: its hidden row crosses the link once, the duplicate row is
-        filled on the receiver); `config.DROPPED` for a dropped entry: expert id -1, or an invalid
-        id outside `[-1, E)`.
+        token already goes to `dest`: its hidden row crosses the link once, and the receiver
+        writes the duplicate row from that same read); `config.DROPPED` for a dropped entry:
+        expert id -1, or an invalid id outside `[-1, E)`.
       cu_seqlens: `[G] int32`, G = E + B: inclusive padded end offset of each group's rows. Group
         `g < E` is global expert `g` (this rank's own experts, and overflow experts in inference),
         group `E + b` is replica slot `b`. Empty groups repeat the previous value.

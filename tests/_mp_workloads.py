@@ -177,12 +177,12 @@ def gpu_vs_cpu(seed: int, maxvios: tuple, cases: tuple, impl: str = "cuda",
     return out
 
 
-def _bits_checksum(slots: jax.Array) -> jax.Array:
-    """`[B] uint32`: each slot's bit patterns summed modulo 2^32, exact and independent of the
-    summation order (a float sum of the same slots differs between the GPU and CPU backends in
-    its last bits, since their reductions add in different orders)."""
-    bits = jax.lax.bitcast_convert_type(slots, {2: jnp.uint16, 4: jnp.uint32}[slots.dtype.itemsize])
-    return jnp.sum(bits.astype(jnp.uint32), axis=(1, 2), dtype=jnp.uint32)
+def _bits_checksum(a: jax.Array) -> jax.Array:
+    """`[len(a)] uint32`: the bit patterns of each `a[i]` summed modulo 2^32, exact and
+    independent of the summation order (a float sum of the same values differs between the GPU
+    and CPU backends in its last bits, since their reductions add in different orders)."""
+    bits = jax.lax.bitcast_convert_type(a, {2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize])
+    return jnp.sum(bits.astype(jnp.uint32), axis=tuple(range(1, a.ndim)), dtype=jnp.uint32)
 
 
 @functools.cache
@@ -194,10 +194,13 @@ def _comm_loop_fn(impl: str, backend: str, sizes: Sizes, timeout_s: float):
 
     def ops(topk_idx, x, topk_w, w_gate_up):
         p = moonep_jax.plan(topk_idx, cfg)
-        recv_x, _ = moonep_jax.dispatch(x, topk_w, p, cfg)
+        recv_x, recv_w = moonep_jax.dispatch(x, topk_w, p, cfg)
         slots = moonep_jax.prefetch(w_gate_up, p, cfg)
+        # Per receive row, padding included: recv_x and recv_w stay temporaries, whose buffers
+        # XLA reuses from call to call holding an earlier routing's rows.
+        recv_checksum = _bits_checksum(recv_x) + _bits_checksum(recv_w[:, None])
         return _stack(dict(dst=p.dst, combine=moonep_jax.combine(recv_x, p, cfg),
-                           slot_checksum=_bits_checksum(slots)))
+                           recv_checksum=recv_checksum, slot_checksum=_bits_checksum(slots)))
 
     return mesh, jax.jit(jax.shard_map(ops, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -111,6 +112,98 @@ def test_dispatch_rows_and_weights_bitwise_equal_to_xla(mesh, seed, maxvio, dtyp
     assert unowned.any()
     assert not np.asarray(out["cuda"][0], np.float32)[unowned].any()
     assert not np.asarray(out["cuda"][1])[unowned].any()
+
+
+def test_dispatch_overwrites_result_buffers_that_hold_old_rows(mesh, seed):
+    """XLA may hand dispatch result buffers that hold earlier data. Here they are donated: NaN
+    first, then the results of another routing, some of whose owned rows are padding now. Every
+    row must be written: bitwise equal to xla, unowned rows zero."""
+    R = mesh.devices.size
+    cfgs = _configs(R)
+    nvs, H = cfgs["xla"].nvs, cfgs["xla"].hidden
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((R * S, H)).astype(jnp.bfloat16)
+    topk_w = rng.random((R * S, K), np.float32) + 0.5
+
+    def reference(topk_idx, x, topk_w):
+        p = plan(topk_idx, cfgs["xla"])
+        return _stack((dispatch(x, topk_w, p, cfgs["xla"]), p.recv_src))
+
+    def into_old_buffers(topk_idx, x, topk_w, old_x, old_w):
+        del old_x, old_w  # donated: XLA places the results in their buffers
+        return _stack(dispatch(x, topk_w, plan(topk_idx, cfgs["xla"]), cfgs["cuda"]))
+
+    cuda = jax.jit(jax.shard_map(into_old_buffers, mesh=mesh, in_specs=P("ep"),
+                                 out_specs=P("ep")), donate_argnums=(3, 4), keep_unused=True)
+    sharding = jax.NamedSharding(mesh, P("ep"))
+    old = (jnp.full((R, nvs, H), jnp.nan, jnp.bfloat16, device=sharding),
+           jnp.full((R, nvs), jnp.nan, jnp.float32, device=sharding))
+    owned_before = None
+    for maxvio in (20.0, 0.2):
+        topk_idx = _routing(seed, R, maxvio, cfgs["xla"])
+        want, recv_src = _per_rank(reference, mesh)(topk_idx, x, topk_w)
+        buffers = [[s.data.unsafe_buffer_pointer() for s in a.addressable_shards] for a in old]
+        got = cuda(topk_idx, x, topk_w, *old)
+        assert [[s.data.unsafe_buffer_pointer() for s in a.addressable_shards]
+                for a in got] == buffers, "XLA did not place the results in the donated buffers"
+        for cuda_result, xla_result in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(cuda_result), np.asarray(xla_result))
+        owned = np.asarray(recv_src) >= 0
+        assert not np.asarray(got[0], np.float32)[~owned].any()
+        if owned_before is not None:
+            assert (owned_before & ~owned).any()  # old rows now in padding positions
+        owned_before, old = owned, got
+
+
+@pytest.mark.parametrize("corruption", ["duplicate_recv_primary", "primary_recv_src"])
+def test_dispatch_zeroes_and_reports_rows_whose_plan_disagrees_with_the_source(mesh, seed,
+                                                                               corruption):
+    """On each rank, the first duplicate row gets recv_primary -1 (not a row), or its primary row
+    a recv_src naming another entry of the same source (one the source's dst does not point
+    back from). Those rows (and the primary's duplicates) are zeroed and reported with the row;
+    every other row is bitwise the xla result."""
+    R = mesh.devices.size
+    cfgs = _configs(R)
+    nvs, H = cfgs["xla"].nvs, cfgs["xla"].hidden
+    rng = np.random.default_rng(seed)
+    topk_idx = _routing(seed, R, 10.0, cfgs["xla"])
+    x = rng.standard_normal((R * S, H)).astype(jnp.bfloat16)
+    topk_w = rng.random((R * S, K), np.float32) + 0.5
+
+    def per_rank(topk_idx, x, topk_w):
+        p = plan(topk_idx, cfgs["xla"])
+        want_x, want_w = dispatch(x, topk_w, p, cfgs["xla"])
+        rows = jnp.arange(nvs)
+        is_duplicate = (p.recv_primary != rows) & (p.recv_src >= 0)
+        duplicate = jnp.argmax(is_duplicate)
+        primary = p.recv_primary[duplicate]
+        if corruption == "duplicate_recv_primary":
+            bad = dataclasses.replace(p, recv_primary=p.recv_primary.at[duplicate].set(-1))
+            zeroed, value = rows == duplicate, jnp.int32(-1)
+        else:  # entry i ^ 1 of the same source: N is even
+            bad = dataclasses.replace(p, recv_src=p.recv_src.at[primary].set(
+                p.recv_src[primary] ^ 1))
+            zeroed = (rows == primary) | ((p.recv_primary == primary) & is_duplicate)
+            value = primary
+        got = dispatch(x, topk_w, bad, cfgs["cuda"])
+        want = (jnp.where(zeroed[:, None], jnp.zeros((), x.dtype), want_x),
+                jnp.where(zeroed, 0.0, want_w))
+        return _stack((got, want, is_duplicate.any(), value))
+
+    assert S * K % 2 == 0
+    moonep_jax.check_transport_errors()  # nothing left over from other tests
+    got, want, has_duplicate, value = _per_rank(per_rank, mesh)(topk_idx, x, topk_w)
+    assert np.asarray(has_duplicate).all()
+    for cuda_result, expected in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(cuda_result), np.asarray(expected))
+    what = {"duplicate_recv_primary": r"plan\.recv_primary is not a primary row",
+            "primary_recv_src": r"plan\.dst disagrees with plan\.recv_src"}[corruption]
+    with pytest.raises(moonep_jax.TransportError) as error:
+        moonep_jax.check_transport_errors()
+    for rank, v in enumerate(np.asarray(value)):
+        assert re.search(rf"bad plan data at EP rank {rank}, epoch \d+: {what} \(value {v}\)",
+                         str(error.value)), str(error.value)
+    moonep_jax.check_transport_errors()  # cleared by the read
 
 
 def test_bad_plan_data_is_skipped_and_reported_by_check_transport_errors(mesh, seed):

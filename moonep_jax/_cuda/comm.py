@@ -53,8 +53,9 @@ def dispatch(x: jax.Array, topk_w: jax.Array, plan: Plan,
                   cfg: EPConfig) -> tuple[jax.Array, jax.Array]:
     """Zero-copy dispatch: `x [S, H]`, `topk_w [S, K] f32` -> `(recv_x [NvS, H], recv_w [NvS] f32)`.
 
-    Each token's row crosses the link once per destination rank (its primary entries); duplicate
-    rows are filled on the receiver from their primary row. Rows no entry owns are zero.
+    Each receiver pulls every token it receives once from the token's rank and writes it, in the
+    same pass, to the token's primary and duplicate rows; rows no entry owns are zeroed. A row
+    whose plan disagrees with the source's `dst` is zeroed and reported as bad plan data.
     """
     _require_copyable("moonep_jax.dispatch", "x", x)
     recv_x = jax.typeof(x).update(shape=(cfg.nvs, x.shape[1]))
