@@ -15,7 +15,7 @@ Each time is a loop of `--iters` calls inside one jitted shard_map, divided by t
 call's output feeds a one-row update of the next call's input, so nothing is hoisted), median of
 `--reps` runs after a warm-up. Bandwidth is reported three ways per rank (the slowest rank):
 S*K*H*2/t, remote bytes/t (entries whose destination is another rank) and deduplicated remote
-bytes/t (one row per (token, remote destination rank), what dispatch sends).
+bytes/t (one row per (token, remote destination rank), what dispatch and combine send).
 
 Writes `<out>/bench_dispatch_<gpu>x<count>.json` (and a PNG plot when matplotlib is importable).
 `--quick` runs a tiny shape (CPU smoke test; on CPU only the xla path and all_to_all run).
@@ -216,14 +216,18 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
 
     dispatch: each token with a valid entry is read once and stored once per primary row (in
     whichever rank's receive buffer), weights per entry; the receiver copies each duplicate row
-    from its primary and zeroes rows no entry owns. combine: every valid entry's row is read from
-    the rank that holds it, one [S, H] output written. plan: topk_idx in and the Plan out only
-    (its histogram exchange is not counted)."""
+    from its primary and zeroes rows no entry owns. combine: each rank reads every row it holds
+    (stage 1, local) and the dst of every peer, and stores one partial row per (token of another
+    home, this rank) into that home's staging (the only rows on the link); the home reads one
+    staged row per (token, other destination rank) and its own dst, and writes [S, H]. plan:
+    topk_idx in and the Plan out only (its histogram exchange is not counted)."""
     N, nvs, S = cfg.num_entries, cfg.nvs, cfg.tokens_per_rank
     entries, tokens, primaries = (np.array(rows[k]) for k in ("entries", "tokens_sent",
                                                                "primary_rows"))
     received = np.sum(rows["entries_to"], axis=0)           # receive rows owned, per rank
     duplicates = received - np.sum(rows["primaries_to"], axis=0)
+    groups_to = np.array(rows["primaries_to"])              # [home, rank]: (token, rank) pairs
+    staged_from = np.sum(groups_to, axis=0) - np.diagonal(groups_to)  # partials each rank pushes
     unowned = nvs - received
     R = len(entries)
     per_rank = lambda v: (np.broadcast_to(v, (R,)).astype(int)).tolist()  # noqa: E731
@@ -233,8 +237,9 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
                                       + duplicates * row_bytes + nvs * 8),
                      "written": per_rank(primaries * row_bytes + entries * 4
                                          + duplicates * row_bytes + unowned * (row_bytes + 4))},
-        "combine": {"read": per_rank(entries * row_bytes + N * 4),
-                    "written": per_rank(S * row_bytes)},
+        "combine": {"read": per_rank((received + np.array(rows["dedup_remote_rows"])) * row_bytes
+                                     + R * N * 4),
+                    "written": per_rank((staged_from + S) * row_bytes)},
     }
 
 
