@@ -192,7 +192,8 @@ def traffic(dst: np.ndarray, cfg: moonep_jax.EPConfig, ranks=None) -> dict:
     stacked plans of all R ranks). Per rank: its valid entries, the tokens with one, the entries
     and the primary rows (`dst >= 0`: one per (token, destination rank), what dispatch sends;
     duplicates are copied at the receiver) bound for other ranks, and per destination rank the
-    entries and primaries sent there. Lists in rank order."""
+    entries and primaries sent there, and the (token, rank) pairs of two or more entries (whose
+    rows combine sums on that rank first). Lists in rank order."""
     R, S, K = cfg.num_ranks, cfg.tokens_per_rank, cfg.top_k
     ranks = np.arange(R) if ranks is None else np.asarray(ranks)
     n = len(ranks)
@@ -203,10 +204,12 @@ def traffic(dst: np.ndarray, cfg: moonep_jax.EPConfig, ranks=None) -> dict:
     count = lambda mask, axes=(1, 2): mask.sum(axis=axes).astype(int).tolist()  # noqa: E731
     to_rank = lambda mask: [[int((m & (d == r)).sum()) for r in range(R)]  # noqa: E731
                             for m, d in zip(mask, dest)]
+    per_token_rank = np.stack([(valid & (dest == r)).sum(axis=2) for r in range(R)], axis=-1)
     return {"ranks": ranks.astype(int).tolist(), "entries": count(valid),
             "tokens_sent": count(valid.any(axis=2), 1), "remote_rows": count(remote),
             "dedup_remote_rows": count(remote & primary), "primary_rows": count(primary),
-            "entries_to": to_rank(valid), "primaries_to": to_rank(primary)}
+            "entries_to": to_rank(valid), "primaries_to": to_rank(primary),
+            "shared_groups_to": (per_token_rank >= 2).sum(axis=1).astype(int).tolist()}
 
 
 def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: int) -> dict:
@@ -216,18 +219,22 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
 
     dispatch: each token with a valid entry is read once and stored once per primary row (in
     whichever rank's receive buffer), weights per entry; the receiver copies each duplicate row
-    from its primary and zeroes rows no entry owns. combine: each rank reads every row it holds
-    (stage 1, local) and the dst of every peer, and stores one partial row per (token of another
-    home, this rank) into that home's staging (the only rows on the link); the home reads one
-    staged row per (token, other destination rank) and its own dst, and writes [S, H]. plan:
-    topk_idx in and the Plan out only (its histogram exchange is not counted)."""
+    from its primary and zeroes rows no entry owns. combine: each rank reads the dst of every
+    rank, and for each (token of another home, this rank) of two or more entries it reads their
+    rows and stores one partial into that home's staging; the home reads its own tokens' rows,
+    one staged partial or lone row (from its owner) per (token, other destination rank), and
+    writes [S, H]; so one row per (token, other rank) crosses the link. plan: topk_idx in and the
+    Plan out only (its histogram exchange is not counted)."""
     N, nvs, S = cfg.num_entries, cfg.nvs, cfg.tokens_per_rank
     entries, tokens, primaries = (np.array(rows[k]) for k in ("entries", "tokens_sent",
                                                                "primary_rows"))
     received = np.sum(rows["entries_to"], axis=0)           # receive rows owned, per rank
     duplicates = received - np.sum(rows["primaries_to"], axis=0)
-    groups_to = np.array(rows["primaries_to"])              # [home, rank]: (token, rank) pairs
-    staged_from = np.sum(groups_to, axis=0) - np.diagonal(groups_to)  # partials each rank pushes
+    others = 1 - np.eye(len(entries), dtype=int)            # [home, rank]: home != rank
+    shared = np.array(rows["shared_groups_to"])             # [home, rank]: groups of >= 2 rows
+    lone = np.array(rows["primaries_to"]) - shared          # [home, rank]: groups of one row
+    stage1_rows = np.sum((np.array(rows["entries_to"]) - lone) * others, axis=0)  # per owner
+    staged = np.sum(shared * others, axis=0)                # partials each owner pushes
     unowned = nvs - received
     R = len(entries)
     per_rank = lambda v: (np.broadcast_to(v, (R,)).astype(int)).tolist()  # noqa: E731
@@ -237,9 +244,10 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
                                       + duplicates * row_bytes + nvs * 8),
                      "written": per_rank(primaries * row_bytes + entries * 4
                                          + duplicates * row_bytes + unowned * (row_bytes + 4))},
-        "combine": {"read": per_rank((received + np.array(rows["dedup_remote_rows"])) * row_bytes
+        "combine": {"read": per_rank((stage1_rows + np.diagonal(rows["entries_to"])
+                                      + np.array(rows["dedup_remote_rows"])) * row_bytes
                                      + R * N * 4),
-                    "written": per_rank((staged_from + S) * row_bytes)},
+                    "written": per_rank((staged + S) * row_bytes)},
     }
 
 

@@ -15,6 +15,7 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // be served.
 constexpr int kMailboxStaging = mailbox_slot(kOpCombine, 0);
 constexpr int kMailboxDst = mailbox_slot(kOpCombine, 1);
+constexpr int kMailboxY = mailbox_slot(kOpCombine, 2);
 constexpr int kMailboxRecvW = mailbox_slot(kOpCombineWeights, 0);
 
 __device__ __forceinline__ float to_float(float v) { return v; }
@@ -43,8 +44,8 @@ __device__ __forceinline__ const char* shfl_address(const char* p, int lane) {
 }
 
 // One row read of a token's sum. Stage-1 members are added to the fp32 partial; the last member
-// of the group rounds the partial to T and adds it to the total; a staged partial (already in T,
-// computed by its owner) is added to the total directly.
+// of the group rounds the partial to T, adds it to the total and restarts the partial at +0.0; a
+// staged partial (already in T, computed by its owner) is added to the total directly.
 enum ReadKind : int { kMember, kLastMember, kStagedPartial };
 
 // The rows one warp sums, in summation order: lane i holds read i. Built from every lane's own
@@ -108,7 +109,10 @@ __device__ __forceinline__ void sum_reads(const Reads& r, int64_t row_vecs, Vec*
             }
             if (!kPartialOnly) {
               if (kind == kStagedPartial) total[u][e] += x;
-              if (kind == kLastMember) total[u][e] += to_float(from_float<T>(partial[u][e]));
+              if (kind == kLastMember) {
+                total[u][e] += to_float(from_float<T>(partial[u][e]));
+                partial[u][e] = 0.0f;
+              }
             }
           }
       }
@@ -129,6 +133,7 @@ __device__ __forceinline__ void sum_reads(const Reads& r, int64_t row_vecs, Vec*
 // to the same rank share a leader, the group's lowest k, which orders both stages.
 struct TokenEntries {
   Destination d;
+  unsigned group;    // lanes of this lane's group (only itself without a valid entry)
   int leader;        // -1 for lanes without a valid entry
   unsigned leaders;  // lanes that lead a group
 };
@@ -136,19 +141,19 @@ struct TokenEntries {
 __device__ __forceinline__ TokenEntries token_entries(const GroupView& g, const int32_t* dst,
                                                       int t, int top_k, int nvs) {
   const int lane = threadIdx.x % 32;
-  TokenEntries e{{-1, 0, false}, -1, 0};
+  TokenEntries e{{-1, 0, false}, 0, -1, 0};
   if (lane < top_k)
     e.d = decode_destination(g, kOpCombine, __ldcg(dst + static_cast<int64_t>(t) * top_k + lane),
                              nvs);
   // Lanes without an entry get a key no other lane has, so they lead only themselves.
-  const unsigned same_dest = __match_any_sync(kFullMask, e.d.dest >= 0 ? e.d.dest : -1 - lane);
-  e.leader = e.d.dest >= 0 ? __ffs(same_dest) - 1 : -1;
+  e.group = __match_any_sync(kFullMask, e.d.dest >= 0 ? e.d.dest : -1 - lane);
+  e.leader = e.d.dest >= 0 ? __ffs(e.group) - 1 : -1;
   e.leaders = __ballot_sync(kFullMask, e.leader == lane);
   return e;
 }
 
-// Leaders of groups whose rank is not `home`: their rank of the token gets a staging slot, the
-// group's position among them.
+// Leaders of groups whose rank is not `home`: their rank of the token has a staging slot, the
+// group's position among them (used by groups of two or more rows).
 __device__ __forceinline__ unsigned remote_leaders(const TokenEntries& e, int home) {
   return __ballot_sync(kFullMask, e.leader == static_cast<int>(threadIdx.x % 32) &&
                                       e.d.dest != home);
@@ -159,8 +164,10 @@ __device__ __forceinline__ int lanes_below(unsigned mask, int lane) {
 }
 
 // Stage 1 on the owner. One warp per (home rank h != this rank, token t of h): reads h's dst of t
-// (K ints over NVLink), sums the rows of t's entries that came to this rank (local) in k order,
-// rounds, and stores that one row into h's staging slot of this rank's group.
+// (K ints over NVLink); if two or more of t's entries came to this rank, sums their rows (local)
+// in k order, rounds, and stores that one row into h's staging slot of this rank's group. (A
+// single row crosses the link either way: the home reads it in place, which saves the staging
+// write and read.)
 template <typename T, typename Vec>
 __global__ void __launch_bounds__(kThreads) combine_partial_kernel(CombineParams p) {
   __shared__ char* staging_of[kMaxRanks];
@@ -184,7 +191,7 @@ __global__ void __launch_bounds__(kThreads) combine_partial_kernel(CombineParams
     const int t = static_cast<int>(q % p.num_tokens);
     const TokenEntries e = token_entries(p.group, dst_of[home], t, p.top_k, p.nvs);
     const unsigned members = __ballot_sync(kFullMask, e.d.dest == me);
-    if (members == 0) continue;  // warp-uniform
+    if (__popc(members) < 2) continue;  // warp-uniform
     const int slot = lanes_below(remote_leaders(e, home), __ffs(members) - 1);
     const bool member = (members >> lane) & 1u;
     const Reads r = order_reads(member ? lanes_below(members, lane) : -1,
@@ -193,16 +200,22 @@ __global__ void __launch_bounds__(kThreads) combine_partial_kernel(CombineParams
         staging_of[home] + (static_cast<int64_t>(t) * p.staging_slots + slot) * row_bytes);
     sum_reads<T, Vec, kPartialBatch, kPartialUnroll, true>(r, row_vecs, out);
   }
-  // NOTE: the exit barrier (a later kernel) publishes these remote stores only if every writing
+  // NOTE: the middle barrier (a later kernel) publishes these remote stores only if every writing
   // thread fenced at system scope (transport.cuh, `barrier`).
   __threadfence_system();
 }
 
-// Stage 2 on the home, after the exit barrier. One warp per token: in leader order, each remote
-// group's staged partial, and the local group's rows summed in k order and rounded (stage 1 fused
-// here: this rank holds them); the total is rounded into out. Reads local memory only.
+// Stage 2 on the home, after the middle barrier. One warp per token, in leader order: each remote
+// group's staged partial, or its single row read in place from its owner; the local group's rows
+// summed in k order and rounded (stage 1 fused here: this rank holds them). The total is rounded
+// into out.
 template <typename T, typename Vec>
 __global__ void __launch_bounds__(kThreads) combine_sum_kernel(CombineParams p) {
+  __shared__ const char* y_of[kMaxRanks];
+  if (threadIdx.x < p.group.num_ranks)
+    y_of[threadIdx.x] = static_cast<const char*>(peer_address(p.group, kMailboxY, threadIdx.x));
+  __syncthreads();
+
   const int lane = threadIdx.x % 32;
   const int me = p.group.rank;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
@@ -225,8 +238,13 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(CombineParams p) 
     } else if ((remote >> lane) & 1u) {
       const int slot = lanes_below(remote, lane);
       order = slot + (local_leader < lane ? local_count : 0);
-      row = static_cast<const char*>(p.staging) +
-            (static_cast<int64_t>(t) * p.staging_slots + slot) * row_bytes;
+      if (__popc(e.group) == 1) {
+        kind = kLastMember;  // a group of one: its stage 1 is that row, rounded
+        row = y_of[e.d.dest] + e.d.row * row_bytes;
+      } else {
+        row = static_cast<const char*>(p.staging) +
+              (static_cast<int64_t>(t) * p.staging_slots + slot) * row_bytes;
+      }
     }
     Vec* out = reinterpret_cast<Vec*>(static_cast<char*>(p.out) + t * row_bytes);
     sum_reads<T, Vec, kTotalBatch, kTotalUnroll, false>(order_reads(order, row, kind), row_vecs,
@@ -236,15 +254,16 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(CombineParams p) 
 
 template <typename T, typename Vec>
 cudaError_t launch_data_kernels(const CombineParams& p, cudaStream_t stream) {
-  if (p.group.num_ranks > 1) {
+  if (p.group.num_ranks > 1) {  // alone, a rank holds all its tokens' rows: no first phase
     combine_partial_kernel<T, Vec><<<p.num_sms, kThreads, 0, stream>>>(p);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+    if (const cudaError_t err = launch_middle_rendezvous(p.group, kOpCombine, stream);
+        err != cudaSuccess)
+      return err;
   }
-  if (const cudaError_t err = launch_exit_rendezvous(p.group, kOpCombine, stream);
-      err != cudaSuccess)
-    return err;
   combine_sum_kernel<T, Vec><<<p.num_sms, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  return launch_exit_rendezvous(p.group, kOpCombine, stream);
 }
 
 // Rows are summed as vectors: the widest that divides the row size (rows are then aligned, XLA
@@ -293,8 +312,8 @@ __global__ void __launch_bounds__(kThreads) combine_weights_gather_kernel(Combin
 }  // namespace
 
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
-  const cudaError_t err =
-      launch_entry_rendezvous(p.group, kOpCombine, p.staging, p.dst, stream);
+  const cudaError_t err = launch_entry_rendezvous(
+      p.group, kOpCombine, PublishedAddresses{{p.staging, p.dst, p.y}}, stream);
   if (err != cudaSuccess) return err;
   return p.row_type == RowType::kBF16 ? launch_data_kernels<__nv_bfloat16>(p, stream)
                                       : launch_data_kernels<float>(p, stream);

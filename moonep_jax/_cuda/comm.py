@@ -68,9 +68,10 @@ def combine(y: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
 
     Two-stage sum of docs/CONTRACT.md (per destination rank in ascending k, rounded to y's dtype,
     then over destinations in the order of their lowest k), bitwise equal to the xla reference.
-    The rank holding a token's rows sums them (stage 1) and stores that one partial row into the
-    home's `staging` (one slot per other destination rank of the token: at most min(R - 1, K));
-    the home adds the partials and its own rows' stage 1. `staging` is a second, discarded result
+    One row per (token, other destination rank) crosses the link: the rank holding two or more
+    of a token's rows sums them (stage 1) and stores the partial into the home's `staging` (one
+    slot per other destination rank of the token: at most min(R - 1, K)); the home reads a lone
+    row in place, and sums its own rows' stage 1 itself. `staging` is a second, discarded result
     of the call, so XLA allocates it for the call's duration only.
     """
     _require_summable("moonep_jax.combine", "y", y)
