@@ -135,20 +135,18 @@ struct TokenEntries {
   Destination d;
   unsigned group;    // lanes of this lane's group (only itself without a valid entry)
   int leader;        // -1 for lanes without a valid entry
-  unsigned leaders;  // lanes that lead a group
 };
 
 __device__ __forceinline__ TokenEntries token_entries(const GroupView& g, const int32_t* dst,
                                                       int t, int top_k, int nvs) {
   const int lane = threadIdx.x % 32;
-  TokenEntries e{{-1, 0, false}, 0, -1, 0};
+  TokenEntries e{{-1, 0, false}, 0, -1};
   if (lane < top_k)
     e.d = decode_destination(g, kOpCombine, __ldcg(dst + static_cast<int64_t>(t) * top_k + lane),
                              nvs);
   // Lanes without an entry get a key no other lane has, so they lead only themselves.
   e.group = __match_any_sync(kFullMask, e.d.dest >= 0 ? e.d.dest : -1 - lane);
   e.leader = e.d.dest >= 0 ? __ffs(e.group) - 1 : -1;
-  e.leaders = __ballot_sync(kFullMask, e.leader == lane);
   return e;
 }
 
