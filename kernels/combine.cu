@@ -137,13 +137,16 @@ struct TokenEntries {
   int leader;        // -1 for lanes without a valid entry
 };
 
-__device__ __forceinline__ TokenEntries token_entries(const GroupView& g, const int32_t* dst,
-                                                      int t, int top_k, int nvs) {
+// Lane k's Plan.dst of token t's entry k (kDropped for lanes >= K). Loaded one token ahead of
+// its use, so that the dst read (over NVLink for a peer's token) overlaps the previous rows.
+__device__ __forceinline__ int32_t load_dst(const int32_t* dst, int64_t t, int top_k) {
   const int lane = threadIdx.x % 32;
-  TokenEntries e{{-1, 0, false}, 0, -1};
-  if (lane < top_k)
-    e.d = decode_destination(g, kOpCombine, __ldcg(dst + static_cast<int64_t>(t) * top_k + lane),
-                             nvs);
+  return lane < top_k ? __ldcg(dst + t * top_k + lane) : kDropped;
+}
+
+__device__ __forceinline__ TokenEntries token_entries(const GroupView& g, int32_t dst, int nvs) {
+  const int lane = threadIdx.x % 32;
+  TokenEntries e{decode_destination(g, kOpCombine, dst, nvs), 0, -1};
   // Lanes without an entry get a key no other lane has, so they lead only themselves.
   e.group = __match_any_sync(kFullMask, e.d.dest >= 0 ? e.d.dest : -1 - lane);
   e.leader = e.d.dest >= 0 ? __ffs(e.group) - 1 : -1;
@@ -184,10 +187,16 @@ __global__ void __launch_bounds__(kThreads) combine_partial_kernel(CombineParams
   const int64_t row_vecs = row_bytes / static_cast<int64_t>(sizeof(Vec));
   const int64_t num_pairs = static_cast<int64_t>(R - 1) * p.num_tokens;
   const int num_warps = gridDim.x * kWarpsPerCta;
-  for (int64_t q = blockIdx.x * kWarpsPerCta + threadIdx.x / 32; q < num_pairs; q += num_warps) {
-    const int home = (me + 1 + static_cast<int>(q / p.num_tokens)) % R;
+  const auto home_of = [&](int64_t q) { return (me + 1 + static_cast<int>(q / p.num_tokens)) % R; };
+  const auto dst_of_pair = [&](int64_t q) {
+    return q < num_pairs ? load_dst(dst_of[home_of(q)], q % p.num_tokens, p.top_k) : kDropped;
+  };
+  int64_t q = blockIdx.x * kWarpsPerCta + threadIdx.x / 32;
+  for (int32_t dst = dst_of_pair(q); q < num_pairs; q += num_warps) {
+    const int home = home_of(q);
     const int t = static_cast<int>(q % p.num_tokens);
-    const TokenEntries e = token_entries(p.group, dst_of[home], t, p.top_k, p.nvs);
+    const TokenEntries e = token_entries(p.group, dst, p.nvs);
+    dst = dst_of_pair(q + num_warps);
     const unsigned members = __ballot_sync(kFullMask, e.d.dest == me);
     if (__popc(members) < 2) continue;  // warp-uniform
     const int slot = lanes_below(remote_leaders(e, home), __ffs(members) - 1);
@@ -219,8 +228,13 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(CombineParams p) 
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
   const int64_t row_vecs = row_bytes / static_cast<int64_t>(sizeof(Vec));
   const int num_warps = gridDim.x * kWarpsPerCta;
-  for (int t = blockIdx.x * kWarpsPerCta + threadIdx.x / 32; t < p.num_tokens; t += num_warps) {
-    const TokenEntries e = token_entries(p.group, p.dst, t, p.top_k, p.nvs);
+  const auto dst_of_token = [&](int t) {
+    return t < p.num_tokens ? load_dst(p.dst, t, p.top_k) : kDropped;
+  };
+  int t = blockIdx.x * kWarpsPerCta + threadIdx.x / 32;
+  for (int32_t dst = dst_of_token(t); t < p.num_tokens; t += num_warps) {
+    const TokenEntries e = token_entries(p.group, dst, p.nvs);
+    dst = dst_of_token(t + num_warps);
     const unsigned remote = remote_leaders(e, me);
     const unsigned local = __ballot_sync(kFullMask, e.d.dest == me);
     // Reads in order: the remote groups led below the local group's leader, the local group's
