@@ -15,7 +15,7 @@ Each time is a loop of `--iters` calls inside one jitted shard_map, divided by t
 call's output feeds a one-row update of the next call's input, so nothing is hoisted), median of
 `--reps` runs after a warm-up. Bandwidth is reported three ways per rank (the slowest rank):
 S*K*H*2/t, remote bytes/t (entries whose destination is another rank) and deduplicated remote
-bytes/t (one row per (token, remote destination rank), what dispatch and combine send).
+bytes/t (one row per (token, remote destination rank), what dispatch moves over the links).
 
 Writes `<out>/bench_dispatch_<gpu>x<count>.json` (and a PNG plot when matplotlib is importable).
 `--quick` runs a tiny shape (CPU smoke test; on CPU only the xla path and all_to_all run).
@@ -192,8 +192,7 @@ def traffic(dst: np.ndarray, cfg: moonep_jax.EPConfig, ranks=None) -> dict:
     stacked plans of all R ranks). Per rank: its valid entries, the tokens with one, the entries
     and the primary rows (`dst >= 0`: one per (token, destination rank), what dispatch moves;
     the receiver writes the duplicate rows from the same read) bound for other ranks, and per
-    destination rank the entries and primaries sent there, and the (token, rank) pairs of two or
-    more entries (whose rows combine sums on that rank first). Lists in rank order."""
+    destination rank the entries and primaries sent there. Lists in rank order."""
     R, S, K = cfg.num_ranks, cfg.tokens_per_rank, cfg.top_k
     ranks = np.arange(R) if ranks is None else np.asarray(ranks)
     n = len(ranks)
@@ -204,12 +203,10 @@ def traffic(dst: np.ndarray, cfg: moonep_jax.EPConfig, ranks=None) -> dict:
     count = lambda mask, axes=(1, 2): mask.sum(axis=axes).astype(int).tolist()  # noqa: E731
     to_rank = lambda mask: [[int((m & (d == r)).sum()) for r in range(R)]  # noqa: E731
                             for m, d in zip(mask, dest)]
-    per_token_rank = np.stack([(valid & (dest == r)).sum(axis=2) for r in range(R)], axis=-1)
     return {"ranks": ranks.astype(int).tolist(), "entries": count(valid),
             "tokens_sent": count(valid.any(axis=2), 1), "remote_rows": count(remote),
             "dedup_remote_rows": count(remote & primary), "primary_rows": count(primary),
-            "entries_to": to_rank(valid), "primaries_to": to_rank(primary),
-            "shared_groups_to": (per_token_rank >= 2).sum(axis=1).astype(int).tolist()}
+            "entries_to": to_rank(valid), "primaries_to": to_rank(primary)}
 
 
 def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: int) -> dict:
@@ -223,22 +220,14 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
     dst (checked), per pulled token the K dst entries and weights of its source, per owned row
     its owner's dst entry, per duplicate row its primary's recv_src, recv_primary and dst entry
     and, when its primary is pulled, its own recv_src and recv_primary again. The link carries
-    one row per (token, remote rank): `dedup_remote_rows`. combine: each rank reads the dst of
-    every rank, and for each (token of another home, this rank) of two or more entries it reads
-    their rows and stores one partial into that home's staging; the home reads its own tokens'
-    rows, one staged partial or lone row (from its owner) per (token, other destination rank),
-    and writes [S, H]; so one row per (token, other rank) crosses the link. plan: topk_idx in and
-    the Plan out only (its histogram exchange is not counted)."""
+    one row per (token, remote rank): `dedup_remote_rows`. combine: every valid entry's row is
+    read from the rank that holds it, one [S, H] output written. plan: topk_idx in and the Plan
+    out only (its histogram exchange is not counted)."""
     N, nvs, S, K = cfg.num_entries, cfg.nvs, cfg.tokens_per_rank, cfg.top_k
     entries = np.array(rows["entries"])
     received = np.sum(rows["entries_to"], axis=0)           # receive rows owned, per rank
     pulled = np.sum(rows["primaries_to"], axis=0)           # (token, this rank) pairs read
     duplicates = received - pulled
-    others = 1 - np.eye(len(entries), dtype=int)            # [home, rank]: home != rank
-    shared = np.array(rows["shared_groups_to"])             # [home, rank]: groups of >= 2 rows
-    lone = np.array(rows["primaries_to"]) - shared          # [home, rank]: groups of one row
-    stage1_rows = np.sum((np.array(rows["entries_to"]) - lone) * others, axis=0)  # per owner
-    staged = np.sum(shared * others, axis=0)                # partials each owner pushes
     R = len(entries)
     per_rank = lambda v: (np.broadcast_to(v, (R,)).astype(int)).tolist()  # noqa: E731
     return {
@@ -246,10 +235,8 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
         "dispatch": {"read": per_rank(pulled * (row_bytes + K * 8) + received * 4
                                       + duplicates * 20 + nvs * 8 + N * 4),
                      "written": per_rank(nvs * (row_bytes + 4))},
-        "combine": {"read": per_rank((stage1_rows + np.diagonal(rows["entries_to"])
-                                      + np.array(rows["dedup_remote_rows"])) * row_bytes
-                                     + R * N * 4),
-                    "written": per_rank((staged + S) * row_bytes)},
+        "combine": {"read": per_rank(entries * row_bytes + N * 4),
+                    "written": per_rank(S * row_bytes)},
     }
 
 

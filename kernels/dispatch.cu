@@ -238,8 +238,7 @@ cudaError_t launch_pull(const DispatchParams& p, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
-  cudaError_t err = launch_entry_rendezvous(
-      p.group, kOpDispatch, PublishedAddresses{{p.x, p.topk_w, p.dst}}, stream);
+  cudaError_t err = launch_entry_rendezvous(p.group, kOpDispatch, p.x, p.topk_w, p.dst, stream);
   if (err != cudaSuccess) return err;
   // Rows are byte copies: the widest vector that divides the row size (rows are then aligned,
   // XLA buffers being at least 16-byte aligned).

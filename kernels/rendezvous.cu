@@ -4,21 +4,19 @@ namespace moonep {
 namespace {
 
 // One CTA of one warp: the barrier needs a thread per rank.
-__global__ void entry_rendezvous_kernel(GroupView g, int op_slot, PublishedAddresses addresses) {
+__global__ void entry_rendezvous_kernel(GroupView g, int op_slot, const void* address0,
+                                        const void* address1, const void* address2) {
   __shared__ uint32_t epoch;
   if (threadIdx.x == 0) {
     epoch = next_epoch(g, op_slot);
-    for (int i = 0; i < kMailboxesPerOp; ++i)
-      if (addresses.address[i] != nullptr)
-        publish(g, mailbox_slot(op_slot, i), addresses.address[i]);
+    const void* const addresses[] = {address0, address1, address2};
+    static_assert(sizeof(addresses) / sizeof(addresses[0]) <= kMailboxesPerOp);
+    for (int i = 0; i < int(sizeof(addresses) / sizeof(addresses[0])); ++i) {
+      if (addresses[i] != nullptr) publish(g, mailbox_slot(op_slot, i), addresses[i]);
+    }
   }
   __syncthreads();
   barrier(g, barrier_slot(op_slot, 0), epoch, "the entry barrier of a zero-copy op");
-}
-
-__global__ void middle_rendezvous_kernel(GroupView g, int op_slot) {
-  barrier(g, barrier_slot(op_slot, 2), current_epoch(g, op_slot),
-          "the middle barrier of a zero-copy op");
 }
 
 __global__ void exit_rendezvous_kernel(GroupView g, int op_slot) {
@@ -30,25 +28,15 @@ __global__ void exit_rendezvous_kernel(GroupView g, int op_slot) {
 // in a barrier can deadlock).
 [[maybe_unused]] const int kPreloaded[] = {
     register_kernel_for_preload(as_symbol(&entry_rendezvous_kernel)),
-    register_kernel_for_preload(as_symbol(&middle_rendezvous_kernel)),
     register_kernel_for_preload(as_symbol(&exit_rendezvous_kernel)),
 };
 
 }  // namespace
 
-cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot,
-                                    const PublishedAddresses& addresses, cudaStream_t stream) {
-  entry_rendezvous_kernel<<<1, 32, 0, stream>>>(group, op_slot, addresses);
-  return cudaGetLastError();
-}
-
 cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot, const void* address0,
-                                    const void* address1, cudaStream_t stream) {
-  return launch_entry_rendezvous(group, op_slot, PublishedAddresses{{address0, address1}}, stream);
-}
-
-cudaError_t launch_middle_rendezvous(const GroupView& group, int op_slot, cudaStream_t stream) {
-  middle_rendezvous_kernel<<<1, 32, 0, stream>>>(group, op_slot);
+                                    const void* address1, const void* address2,
+                                    cudaStream_t stream) {
+  entry_rendezvous_kernel<<<1, 32, 0, stream>>>(group, op_slot, address0, address1, address2);
   return cudaGetLastError();
 }
 

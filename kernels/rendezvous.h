@@ -52,24 +52,20 @@ const void* as_symbol(Kernel* kernel) {
   return reinterpret_cast<const void*>(kernel);
 }
 
-// Buffer addresses an op publishes at entry, one per mailbox slot of the op (nullptr: none).
-struct PublishedAddresses {
-  const void* address[kMailboxesPerOp];
-};
-
-// Rendezvous of a zero-copy op `op_slot` (an OpSlot). Entry: advance the op's epoch, publish
-// buffer addresses into the op's mailbox slots (address i into slot i; nullptr: not published),
+// Rendezvous of a zero-copy op `op_slot` (an OpSlot). Entry: advance the op's epoch, publish up
+// to three buffer addresses into the op's mailbox slots 0, 1 and 2 (nullptr: not published),
 // barrier (the op's barrier slot 0); afterwards every peer's addresses are readable with
 // `peer_address(g, mailbox_slot(op_slot, i), peer)` (translated into this process's mapping of
-// a peer process's pool). Middle (ops of two phases): barrier (slot 2), after which every peer's
-// first-phase writes are visible; the published buffers stay valid. Exit: barrier (slot 1), so
-// that no buffer is released or reused while a peer still reads or writes it. Defined in
-// kernels/rendezvous.cu.
-cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot,
-                                    const PublishedAddresses& addresses, cudaStream_t stream);
+// a peer process's pool). Exit: barrier (slot 1), so that no buffer is released or reused while
+// a peer still reads or writes it. Defined in kernels/rendezvous.cu.
 cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot, const void* address0,
-                                    const void* address1, cudaStream_t stream);
-cudaError_t launch_middle_rendezvous(const GroupView& group, int op_slot, cudaStream_t stream);
+                                    const void* address1, const void* address2,
+                                    cudaStream_t stream);
+inline cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot,
+                                           const void* address0, const void* address1,
+                                           cudaStream_t stream) {
+  return launch_entry_rendezvous(group, op_slot, address0, address1, nullptr, stream);
+}
 cudaError_t launch_exit_rendezvous(const GroupView& group, int op_slot, cudaStream_t stream);
 
 }  // namespace moonep

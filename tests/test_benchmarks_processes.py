@@ -58,10 +58,6 @@ def test_bench_dispatch_two_processes_on_cpu(tmp_path):
         # Every rank's entries are received somewhere; primaries are at most the entries.
         assert sum(map(sum, point["entries_to"])) == sum(point["entries"])
         assert all(p <= e for p, e in zip(point["primary_rows"], point["entries"]))
-        # A (token, rank) pair of two or more entries has one primary and a duplicate there.
-        for shared, primaries, entries in zip(point["shared_groups_to"], point["primaries_to"],
-                                              point["entries_to"]):
-            assert all(2 * s <= e and s <= p for s, p, e in zip(shared, primaries, entries))
         for result in point["results"]:
             assert len(result["hbm_gbps_per_rank"]) == 2 and result["hbm_gbps_all_ranks"] > 0
 
