@@ -64,7 +64,10 @@ __global__ void __launch_bounds__(kThreads) combine_gather_kernel(CombineParams 
     const unsigned leaders = __ballot_sync(kFullMask, leader == lane);
 
     Vec* out = reinterpret_cast<Vec*>(static_cast<char*>(p.out) + t * row_bytes);
-    for (int64_t base = lane; base < row_vecs; base += 32 * kUnroll) {
+    // Every lane runs every step, whatever the row size (the ballots and shuffles below need the
+    // whole warp); loads and stores past the row are masked.
+    for (int64_t step = 0; step < row_vecs; step += 32 * kUnroll) {
+      const int64_t base = step + lane;
       float acc[kUnroll][P::kElems] = {};
       for (unsigned g = leaders; g; g &= g - 1) {
         const int group_leader = __ffs(g) - 1;
