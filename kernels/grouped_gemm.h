@@ -95,4 +95,10 @@ cudaError_t load_grouped_gemm();
 cudaError_t launch_gmm_rows(const GmmRowsParams& params, cudaStream_t stream);
 cudaError_t launch_gmm_dw(const GmmDwParams& params, cudaStream_t stream);
 
+// Test support (kernels/grouped_gemm_capture.cu): on the current device, each launcher (forward,
+// dX, dW) captured into a CUDA graph as XLA's command buffers capture it; *forward, *dx, *dw: the
+// graph's replays write exactly what a direct launch writes. Errors: the first CUDA error, e.g.
+// a call that stream capture refuses.
+cudaError_t grouped_gemm_replays_equal(bool* forward, bool* dx, bool* dw);
+
 }  // namespace moonep

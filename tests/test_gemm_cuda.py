@@ -145,6 +145,17 @@ def test_gmm_dw_matches_fp32_reference(seed, case, num_rows, d0, d1):
     np.testing.assert_array_equal(np.asarray(local_only), rounded)
 
 
+def test_launchers_captured_into_a_cuda_graph_replay_what_a_direct_launch_writes():
+    """Capture safety of the handlers marked kCmdBufferCompatible: forward, dX and dW launches,
+    captured into a CUDA graph as XLA's command buffers capture them (no call that capture
+    refuses, nothing loaded or allocated on the way), replay twice over poisoned outputs and
+    write exactly the direct launch's bytes (a full and a partial M tile, an empty group, a
+    used slot, rows of no group)."""
+    from moonep_jax import _ffi
+
+    assert _ffi.lib().grouped_gemm_replays_equal() == (True, True, True)
+
+
 def test_gmm_dw_refuses_inference_overflow_configs():
     from moonep_jax import EPConfig
     from moonep_jax._cuda.gemm import gmm_dw

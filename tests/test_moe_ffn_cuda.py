@@ -233,33 +233,20 @@ def test_backward_prefetches_again_instead_of_saving_slots(mesh, seed):
     assert forward_only.count("@moonep_prefetch") == 2 * per_projection
 
 
-def test_training_step_runs_captured_in_a_command_buffer(mesh, seed):
-    """The whole jitted step may run as XLA command buffers (CUDA graphs) with every moonep
-    custom call inside them: the compiled program wraps the grouped GEMMs in command buffers, and
-    its results are bitwise equal to the same step compiled without command buffers."""
+def test_training_step_with_command_buffers_bitwise_equal_to_without(mesh, seed):
+    """The grouped GEMM handlers are kCmdBufferCompatible like every other moonep target, so XLA
+    may trace them into command buffers (CUDA graphs): the step compiled with command buffers
+    enabled for custom calls (and graphs of any size) runs, replays, and is bitwise equal to the
+    step compiled without them. (XLA 0.11 forms command buffers from thunks, so the compiled HLO
+    does not show them; tests/test_gemm_cuda.py captures the launchers directly.)"""
     args = _inputs(seed, mesh.shape["ep"], 1.0)
     lowered = _layer_fn(mesh, None, "cuda", True).lower(*args)
-    captured = lowered.compile()
+    captured = lowered.compile(compiler_options={
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL",
+        "xla_gpu_graph_min_graph_size": 1})
     uncaptured = lowered.compile(compiler_options={"xla_gpu_enable_command_buffer": ""})
-    captured_targets = "\n".join(_command_buffer_bodies(captured.as_text()))
-    for target in ("moonep_gmm_fwd", "moonep_gmm_dx", "moonep_gmm_dw"):
-        assert f'custom_call_target="{target}"' in captured_targets, target
-    for _ in range(3):  # replays of the captured graphs, not just its first recording
-        out = jax.tree.leaves(captured(*args))
     reference = jax.tree.leaves(uncaptured(*args))
-    for a, b in zip(out, reference):
-        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-
-
-def _command_buffer_bodies(hlo: str) -> list[str]:
-    """The bodies of the computations XLA runs as command buffers, from compiled HLO text."""
-    bodies, body = [], None
-    for line in hlo.splitlines():
-        if body is None and line.lstrip("%").startswith("command_buffer") and line.endswith("{"):
-            body = []
-        elif body is not None and line.startswith("}"):
-            bodies.append("\n".join(body))
-            body = None
-        elif body is not None:
-            body.append(line)
-    return bodies
+    for _ in range(3):  # replays of the captured graphs, not just their first recording
+        out = jax.tree.leaves(captured(*args))
+        for a, b in zip(out, reference):
+            assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))

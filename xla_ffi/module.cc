@@ -54,6 +54,19 @@ PYBIND11_MODULE(_moonep_jax_cuda, m) {
       py::arg("num_experts"), py::arg("top_k"), py::arg("num_tokens"), py::arg("num_ranks"),
       "(kernel nodes, other nodes) of the CUDA planner for these sizes, captured into a CUDA "
       "graph on the current device (nothing runs).");
+  m.def(
+      "grouped_gemm_replays_equal",
+      [] {
+        bool forward = false, dx = false, dw = false;
+        const cudaError_t err = moonep::grouped_gemm_replays_equal(&forward, &dx, &dw);
+        if (err != cudaSuccess) {
+          throw std::runtime_error(std::string("grouped_gemm_replays_equal: ") +
+                                   cudaGetErrorString(err));
+        }
+        return py::make_tuple(forward, dx, dw);
+      },
+      "(forward, dX, dW): whether each grouped GEMM launcher, captured into a CUDA graph on the "
+      "current device, replays exactly what a direct launch writes.");
   // kernels/constants.h, for tests/test_constants.py to hold the Python copies to.
   m.attr("MAX_TOP_K") = moonep::kMaxTopK;
   m.attr("DROPPED") = moonep::kDropped;
