@@ -156,12 +156,12 @@ def moonep_layer(cfg):
     return layer
 
 
-def cuda_grouped_gemm():
+def cuda_grouped_matmul():
     """`gemm(rows [M, D0], w [epn, D0, D1], sizes [epn]) -> [M, D1]`, differentiable: our CuTe
     kernels with one group per local expert (ep_rank 0, so groups [0, epn) are `w`), rows past
     `sum(sizes)` zero. The slot operand is `w` itself with empty slot groups: no copy, no
     overflow (B == epn)."""
-    from moonep_jax._cuda import gemm
+    from moonep_jax._cuda import grouped_matmul as cuda_gmm
 
     rank0 = jnp.zeros(1, jnp.int32)
 
@@ -171,17 +171,17 @@ def cuda_grouped_gemm():
 
     @jax.custom_vjp
     def gmm(rows, w, sizes):
-        return gemm.grouped_matmul(rows, w, w, ends(sizes, w.shape[0]), rank0)
+        return cuda_gmm.grouped_matmul_of_groups(rows, w, w, ends(sizes, w.shape[0]), rank0)
 
     def fwd(rows, w, sizes):
         return gmm(rows, w, sizes), (rows, w, sizes)
 
     def bwd(res, d_out):
         rows, w, sizes = res
-        d_rows = gemm.grouped_matmul_dx(d_out, w, w, ends(sizes, w.shape[0]), rank0)
+        d_rows = cuda_gmm.grouped_matmul_dx_of_groups(d_out, w, w, ends(sizes, w.shape[0]), rank0)
         no_replicas = jnp.full((1, 1), -1, jnp.int32)  # one rank, one empty slot group
-        d_w, _, _ = gemm.grouped_matmul_dw(rows, d_out, ends(sizes, 1), rank0, no_replicas,
-                                           w.shape[0], 0, 1)
+        d_w, _, _ = cuda_gmm.grouped_matmul_dw_of_groups(rows, d_out, ends(sizes, 1), rank0,
+                                                         no_replicas, w.shape[0], 0, 1)
         return d_rows, d_w, None  # dW in the weights' dtype
 
     gmm.defvjp(fwd, bwd)
@@ -412,7 +412,7 @@ ONE_GPU_ROUTING = (
 # kernels are kernel_cutlass_rows_kernel_* (forward and dX) and kernel_cutlass_weight_grad_kernel_*
 # (dW); the CUDA kernels are moonep::<anon>::<name>_kernel; XLA's fusions carry their root op.
 NCU_CATEGORIES = (
-    ("gemm_fwd_dx", r"rows_kernel|gmm_overflow_kernel"),
+    ("gemm_fwd_dx", r"rows_kernel|grouped_matmul_overflow_kernel"),
     ("gemm_dw", r"weight_grad_kernel"),
     ("converts", r"convert"),
     ("reduce_grad", r"reduce_grad"),
@@ -848,9 +848,9 @@ def run_ranks(args) -> None:
 
 def plan_tile_m() -> int:
     try:
-        from moonep_jax._cuda import gemm
+        from moonep_jax._cuda import grouped_matmul as cuda_gmm
 
-        return int(gemm.tile_m())
+        return int(cuda_gmm.tile_m())
     except Exception:  # noqa: BLE001  (pure-Python install)
         return 256
 
@@ -911,7 +911,7 @@ def main():
         transport.bootstrap(mesh, "ep")
         methods.append(Method("moonep_cuda", training_step(moonep_layer(cfg_cuda), mesh),
                               METHOD_BUDGET_S["moonep_cuda"]))
-        gemm = cuda_grouped_gemm()
+        gemm = cuda_grouped_matmul()
     else:
         skipped["moonep_cuda"] = "needs the CUDA extension and a GPU"
         gemm = ragged_dot_gemm

@@ -75,9 +75,10 @@ def rank_summary(cu_seqlens, rank: int, R: int, tile_m: int, E: int = E) -> dict
 
 def _tile_m() -> tuple[int, str]:
     try:
-        from moonep_jax._cuda import gemm
+        from moonep_jax._cuda import grouped_matmul as cuda_gmm
 
-        return int(gemm.tile_m()), "moonep_jax._cuda.gemm.tile_m() (the built extension)"
+        return (int(cuda_gmm.tile_m()),
+                "moonep_jax._cuda.grouped_matmul.tile_m() (the built extension)")
     except Exception as e:  # noqa: BLE001  (pure-Python install: the kernel's documented value)
         return DEFAULT_TILE_M, f"default {DEFAULT_TILE_M}: extension not loadable ({e})"
 

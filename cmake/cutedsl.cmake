@@ -35,7 +35,7 @@ message(STATUS "moonep_jax: CuTe DSL runtime ${_moonep_cutedsl_runtime}")
 
 # One <prefix>.{h,o} pair per exported kernel; the list matches build_aot.py's EXPORTS.
 set(MOONEP_CUTEDSL_PREFIXES
-    moonep_gmm_fwd moonep_gmm_dx moonep_gmm_dw)
+    moonep_grouped_matmul moonep_grouped_matmul_dx moonep_grouped_matmul_dw)
 
 set(MOONEP_CUTEDSL_OBJECTS "")
 set(_moonep_cutedsl_outputs "")

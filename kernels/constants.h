@@ -1,7 +1,7 @@
 // Constants that the C++ side shares with Python, in one place for every kernel and handler.
 //
 // Python keeps its own copies where it must run without the extension (moonep_jax/config.py:
-// MAX_TOP_K, DROPPED) or at build time (kernels/cutedsl/grouped_gemm.py: KIND_*, TABLE_COLUMNS).
+// MAX_TOP_K, DROPPED) or at build time (kernels/cutedsl/grouped_matmul.py: KIND_*, TABLE_COLUMNS).
 // The extension exports these values (xla_ffi/module.cc) and tests/test_constants.py requires the
 // Python copies to equal them, so the two languages cannot drift apart silently.
 #pragma once

@@ -34,8 +34,8 @@ enum OpSlot : int {
   kOpCombineWeights = 3,
   kOpPrefetch = 4,
   kOpReduceGrad = 5,
-  kOpGroupedGemm = 6,  // inference overflow: peers' w_local read in place
-  kNumOpSlots = 8,     // room for one more op
+  kOpGroupedMatmul = 6,  // inference overflow: peers' w_local read in place
+  kNumOpSlots = 8,       // room for one more op
 };
 constexpr int kBarriersPerOp = 4;
 constexpr int kMailboxesPerOp = 4;

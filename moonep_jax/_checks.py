@@ -151,8 +151,8 @@ def zeros_varying_like(shape, dtype, like: jax.Array) -> jax.Array:
 def implementation(cfg: EPConfig) -> ModuleType:
     """The module of `cfg`'s resolved implementation, `moonep_jax._xla` or `moonep_jax._cuda.ops`:
     both define the backend functions of docs/CONTRACT.md under the same names (`dispatch`,
-    `gmm_dw`, ...). Imported here, on first use: the xla functions live in the op modules, which
-    import this one, and the CUDA ones need only be importable where they run."""
+    `grouped_matmul_dw`, ...). Imported here, on first use: the xla functions live in the op
+    modules, which import this one, and the CUDA ones need only be importable where they run."""
     if resolved_implementation(cfg) == "cuda":
         from moonep_jax._cuda import ops
 

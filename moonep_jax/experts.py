@@ -6,9 +6,9 @@ Public ops (per EP rank, inside `jax.shard_map` over `cfg.axis_name`):
   `grouped_matmul`  multiplies each group of receive rows by its expert's weights.
   `reduce_grad`     adds every replica's weight gradient to its home rank's gradient.
 
-`_prefetch_xla`, `_reduce_grad_xla`, `_gmm_xla`, `_gmm_dx_xla`, `_gmm_dw_xla` are the pure-JAX
-reference backends (signatures in docs/CONTRACT.md); `weight_grad_counts` fixes the shapes of
-the weight gradients both `gmm_dw` backends return.
+`_prefetch_xla`, `_reduce_grad_xla`, `_grouped_matmul_xla`, `_grouped_matmul_dx_xla` and
+`_grouped_matmul_dw_xla` are the pure-JAX reference backends (signatures in docs/CONTRACT.md); `weight_grad_counts` fixes the shapes of
+the weight gradients both `grouped_matmul_dw` backends return.
 
 The xla grouped GEMM computes masked segments: for each candidate group (this rank's experts and
 its slots; every expert when B < epn) one dense product of all NvS rows, kept on the rows of that
@@ -156,7 +156,8 @@ def _reduce_grad_xla(g: jax.Array, g_slots: jax.Array, plan: Plan, cfg: EPConfig
 
 
 def weight_grad_counts(cfg: EPConfig, for_reduce_grad: bool) -> tuple[int, int]:
-    """`(P, B')`: fp32 partial and slot matrices that `gmm_dw` returns (docs/CONTRACT.md).
+    """`(P, B')`: fp32 partial and slot matrices that `grouped_matmul_dw` returns
+    (docs/CONTRACT.md).
 
     For the public op every local expert's gradient is in the weights' dtype and every slot has
     one (P = 0, B' = B). For moe_ffn, which reduces replicas next, replicated experts give fp32
@@ -208,7 +209,7 @@ def grouped_matmul(x: jax.Array, w_local: jax.Array, w_slots: jax.Array, plan: P
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _grouped_matmul(x, w_local, w_slots, plan, cfg):
-    return _checks.implementation(cfg).gmm(x, w_local, w_slots, plan, cfg)
+    return _checks.implementation(cfg).grouped_matmul(x, w_local, w_slots, plan, cfg)
 
 
 def _grouped_matmul_fwd(x, w_local, w_slots, plan, cfg):
@@ -218,8 +219,8 @@ def _grouped_matmul_fwd(x, w_local, w_slots, plan, cfg):
 
 def _grouped_matmul_bwd(cfg, residuals, d_y):
     x, w_local, w_slots, plan = residuals
-    d_x = _checks.implementation(cfg).gmm_dx(d_y, w_local, w_slots, plan, cfg)
-    d_local, _, d_slots = _checks.implementation(cfg).gmm_dw(x, d_y, plan, cfg)
+    d_x = _checks.implementation(cfg).grouped_matmul_dx(d_y, w_local, w_slots, plan, cfg)
+    d_local, _, d_slots = _checks.implementation(cfg).grouped_matmul_dw(x, d_y, plan, cfg)
     return d_x, d_local, d_slots.astype(w_slots.dtype), None  # x, w_local, w_slots share a dtype
 
 
@@ -259,17 +260,17 @@ def _weights_by_group(lhs, w_local, w_slots, plan, cfg: EPConfig, transpose: boo
     return out.astype(lhs.dtype)
 
 
-def _gmm_xla(x, w_local, w_slots, plan: Plan, cfg: EPConfig) -> jax.Array:
+def _grouped_matmul_xla(x, w_local, w_slots, plan: Plan, cfg: EPConfig) -> jax.Array:
     """Reference grouped GEMM `y[rows of g] = x[rows of g] @ W_g`."""
     return _weights_by_group(x, w_local, w_slots, plan, cfg, transpose=False)
 
 
-def _gmm_dx_xla(d_y, w_local, w_slots, plan: Plan, cfg: EPConfig) -> jax.Array:
+def _grouped_matmul_dx_xla(d_y, w_local, w_slots, plan: Plan, cfg: EPConfig) -> jax.Array:
     """Reference input gradient `dx[rows of g] = dy[rows of g] @ W_g^T`."""
     return _weights_by_group(d_y, w_local, w_slots, plan, cfg, transpose=True)
 
 
-def _gmm_dw_xla(x, d_y, plan: Plan, cfg: EPConfig, *,
+def _grouped_matmul_dw_xla(x, d_y, plan: Plan, cfg: EPConfig, *,
                 for_reduce_grad: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reference weight gradients `dW_g = x[rows of g]^T @ dy[rows of g]` (training, B == epn).
 

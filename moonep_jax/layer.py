@@ -24,7 +24,8 @@ _OP = "moonep_jax.moe_ffn"
 _F32 = jnp.float32
 # Backend keyword of prefetch: unused replica slots are left unwritten. The layer's GEMMs read only
 # used slots, and zeroing all B = epn slots of a training layer moves more bytes than the replicas
-# themselves (gmm_dw with for_reduce_grad leaves unused slot gradients unwritten likewise).
+# themselves (grouped_matmul_dw with for_reduce_grad leaves unused slot gradients unwritten
+# likewise).
 _USED_SLOTS_ONLY = {"zero_unused_slots": False}
 
 
@@ -128,8 +129,8 @@ def _forward(x, topk_w, w_gate_up, w_down, plan: Plan, cfg: EPConfig):
     recv_x, recv_w = impl.dispatch(x, topk_w, plan, cfg)
     slots_gate_up = prefetch(w_gate_up)
     slots_down = prefetch(w_down)
-    h = impl.gmm(recv_x, w_gate_up, slots_gate_up, plan, cfg)   # [NvS, 2F]
-    y = impl.gmm(_swiglu(h), w_down, slots_down, plan, cfg)     # [NvS, H]
+    h = impl.grouped_matmul(recv_x, w_gate_up, slots_gate_up, plan, cfg)   # [NvS, 2F]
+    y = impl.grouped_matmul(_swiglu(h), w_down, slots_down, plan, cfg)     # [NvS, H]
     out = impl.combine(_scale_rows(y, recv_w), plan, cfg)
     return out, (recv_x, recv_w, h, y)
 
@@ -137,12 +138,12 @@ def _forward(x, topk_w, w_gate_up, w_down, plan: Plan, cfg: EPConfig):
 def _weight_grad(x, d_y, plan: Plan, cfg: EPConfig) -> jax.Array:
     """The complete gradient of one projection's local experts, in the weights' dtype.
 
-    gmm_dw writes each expert that no slot replicates straight in the weights' dtype; a
+    grouped_matmul_dw writes each expert that no slot replicates straight in the weights' dtype; a
     replicated expert's fp32 partial is then summed with its replicas' fp32 slot gradients in
     reduce_grad's fixed order and rounded once. No pass over all experts' gradients follows.
     """
     impl = _checks.implementation(cfg)
-    d_local, d_partial, d_slots = impl.gmm_dw(x, d_y, plan, cfg, for_reduce_grad=True)
+    d_local, d_partial, d_slots = impl.grouped_matmul_dw(x, d_y, plan, cfg, for_reduce_grad=True)
     if not cfg.replicas_possible:
         return d_local
     return impl.reduce_grad(d_local, d_slots, plan, cfg, g_partial=d_partial)
@@ -169,12 +170,12 @@ def _moe_ffn_bwd(cfg, residuals, d_out):
     # prefetch (that would keep the slots alive as a residual) nor hoist it into the forward.
     w_down, d_y = lax.optimization_barrier((w_down, d_y))
     slots_down = prefetch(w_down)
-    d_act = impl.gmm_dx(d_y, w_down, slots_down, plan, cfg)        # [NvS, F]
+    d_act = impl.grouped_matmul_dx(d_y, w_down, slots_down, plan, cfg)        # [NvS, F]
     d_w_down = _weight_grad(_swiglu(h), d_y, plan, cfg)
     d_h = _swiglu_grad(h, d_act)                                    # [NvS, 2F]
     w_gate_up, d_h = lax.optimization_barrier((w_gate_up, d_h))
     slots_gate_up = prefetch(w_gate_up)
-    d_recv_x = impl.gmm_dx(d_h, w_gate_up, slots_gate_up, plan, cfg)
+    d_recv_x = impl.grouped_matmul_dx(d_h, w_gate_up, slots_gate_up, plan, cfg)
     d_w_gate_up = _weight_grad(recv_x, d_h, plan, cfg)
 
     d_x = impl.combine(d_recv_x, plan, cfg)

@@ -121,11 +121,11 @@ def _compiled(impl: str, backend: str, sizes: Sizes, grads: bool, timeout_s: flo
         y = (recv_x.astype(jnp.float32) * recv_w[:, None]).astype(x.dtype)
         out = moonep_jax.combine(y, p, cfg)
         slots = moonep_jax.prefetch(w_gate_up, p, cfg)
-        gmm = moonep_jax.grouped_matmul(recv_x, w_gate_up, slots, p, cfg)
+        matmul = moonep_jax.grouped_matmul(recv_x, w_gate_up, slots, p, cfg)
         res = dict(dst=p.dst, cu_seqlens=p.cu_seqlens, zero_fill=p.zero_fill,
                    experts_to_copy=p.experts_to_copy, recv_src=p.recv_src,
                    recv_primary=p.recv_primary, recv_x=recv_x, recv_w=recv_w, combine=out,
-                   slots=slots, gmm=gmm)
+                   slots=slots, grouped_matmul=matmul)
         if cfg.trainable:
             g_slots = slots.astype(jnp.float32) * 0.5 + 1.0
             res["reduce_grad"] = moonep_jax.reduce_grad(w_gate_up.astype(jnp.float32), g_slots,
@@ -340,7 +340,7 @@ def check_plan_loop(values: list[dict], where: str, calls: int, num_ranks: int) 
 
 
 # Results of the grouped GEMM and of what depends on it; all others are bitwise.
-GEMM_RESULTS = {"gmm", "moe_ffn", "d_x", "d_topk_w", "d_w_gate_up", "d_w_down"}
+GEMM_RESULTS = {"grouped_matmul", "moe_ffn", "d_x", "d_topk_w", "d_w_gate_up", "d_w_down"}
 GEMM_BOUND = 1e-2
 
 

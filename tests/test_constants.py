@@ -39,12 +39,12 @@ def test_config_constants_equal_the_extensions():
 
 
 def test_cutedsl_tile_table_constants_equal_the_extensions():
-    dsl = module_constants(REPO / "kernels" / "cutedsl" / "grouped_gemm.py")
-    exported = dict(_ffi.lib().GMM_TABLE_CONSTANTS)
+    dsl = module_constants(REPO / "kernels" / "cutedsl" / "grouped_matmul.py")
+    exported = dict(_ffi.lib().GROUPED_MATMUL_TABLE_CONSTANTS)
     assert exported.keys() == {"KIND_LOCAL", "KIND_SLOT", "KIND_ZERO", "KIND_UNUSED",
                                "TABLE_COLUMNS"}
     assert {name: dsl[name] for name in exported} == exported
-    assert dsl["TILE_M"] == _ffi.lib().GMM_TILE_M
+    assert dsl["TILE_M"] == _ffi.lib().GROUPED_MATMUL_TILE_M
 
 
 def test_no_kernel_or_handler_keeps_its_own_copy():

@@ -102,7 +102,7 @@ def _sass(path: pathlib.Path) -> str:
 
 
 def test_gemm_sass_uses_hgmma_and_tma(aot_dir):
-    for prefix in (p for p in _exported_prefixes() if p.startswith("moonep_gmm")):
+    for prefix in (p for p in _exported_prefixes() if p.startswith("moonep_grouped_matmul")):
         blob = (aot_dir / f"{prefix}.o").read_bytes()
         cubin = aot_dir / f"{prefix}.cubin"
         # The first embedded CUDA ELF runs to the end of its section; cuobjdump tolerates the tail.

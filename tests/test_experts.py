@@ -155,7 +155,7 @@ def weight_of_group(g, r, w, table, cfg):
     return w[g] if g < cfg.num_experts else w[table[r, g - cfg.num_experts]]
 
 
-def gmm_inputs(rng, cfg, overflow):
+def grouped_matmul_inputs(rng, cfg, overflow):
     R, nvs = cfg.num_ranks, cfg.nvs
     table = slot_table(rng, cfg)
     cu = np.cumsum(group_sizes(rng, table, cfg, overflow), axis=1).astype(np.int32)
@@ -165,7 +165,7 @@ def gmm_inputs(rng, cfg, overflow):
     return table, cu, w, w_slots.reshape(R * cfg.num_slots, D0, D1), x
 
 
-def run_gmm(cfg, mesh, table, cu, w, w_slots, x):
+def run_grouped_matmul(cfg, mesh, table, cu, w, w_slots, x):
     def per_rank(x, w, w_slots, cu, t):
         return grouped_matmul(x, w, w_slots, rank_plan(cu, t, cfg), cfg)
 
@@ -177,8 +177,8 @@ def test_grouped_matmul_equals_per_row_products(mesh_factory, seed, R, B):
     """B < epn includes overflow groups (remote experts in their global rows)."""
     cfg = make_config(R, B=B)
     rng = np.random.default_rng(seed)
-    table, cu, w, w_slots, x = gmm_inputs(rng, cfg, overflow=not cfg.trainable)
-    y = run_gmm(cfg, mesh_factory(R), table, cu, w, w_slots, x)
+    table, cu, w, w_slots, x = grouped_matmul_inputs(rng, cfg, overflow=not cfg.trainable)
+    y = run_grouped_matmul(cfg, mesh_factory(R), table, cu, w, w_slots, x)
 
     x = x.reshape(R, cfg.nvs, D0)
     expected = np.zeros((R, cfg.nvs, D1), np.float32)
@@ -193,7 +193,7 @@ def test_grouped_matmul_equals_per_row_products(mesh_factory, seed, R, B):
 def test_grouped_matmul_vjp_gives_row_and_group_gradients(mesh_factory, seed, R):
     cfg = make_config(R)
     rng = np.random.default_rng(seed)
-    table, cu, w, w_slots, x = gmm_inputs(rng, cfg, overflow=False)
+    table, cu, w, w_slots, x = grouped_matmul_inputs(rng, cfg, overflow=False)
     d_y = small_ints(rng, (R * cfg.nvs, D1))
 
     def per_rank(x, w, w_slots, cu, t, d_y):
@@ -228,7 +228,7 @@ def test_weight_gradient_through_prefetch_is_complete(mesh_factory, seed):
     R = 4
     cfg = make_config(R)
     rng = np.random.default_rng(seed)
-    table, cu, w, _, x = gmm_inputs(rng, cfg, overflow=False)
+    table, cu, w, _, x = grouped_matmul_inputs(rng, cfg, overflow=False)
     d_y = small_ints(rng, (R * cfg.nvs, D1))
     mesh = mesh_factory(R)
 
@@ -255,7 +255,7 @@ def test_weight_gradient_through_prefetch_is_complete(mesh_factory, seed):
 def test_grouped_matmul_gradient_with_overflow_slots_is_rejected(mesh_factory, seed):
     cfg = make_config(2, B=1)
     rng = np.random.default_rng(seed)
-    table, cu, w, w_slots, x = gmm_inputs(rng, cfg, overflow=True)
+    table, cu, w, w_slots, x = grouped_matmul_inputs(rng, cfg, overflow=True)
     mesh = mesh_factory(2)
 
     def loss(x):
@@ -273,7 +273,7 @@ def test_grouped_matmul_gradient_with_overflow_slots_is_rejected(mesh_factory, s
 # ---- trace-time validation ----------------------------------------------------------------------
 
 
-def trace_gmm(cfg, mesh, x_dtype, w_dtype, num_slots):
+def trace_grouped_matmul(cfg, mesh, x_dtype, w_dtype, num_slots):
     R, nvs, B = cfg.num_ranks, cfg.nvs, cfg.num_slots
 
     def per_rank(x, w, w_slots, cu, t):
@@ -292,10 +292,10 @@ def test_grouped_matmul_rejects_wrong_slot_count_and_mixed_dtypes(mesh_factory):
     cfg, mesh = make_config(2), mesh_factory(2)
     with pytest.raises(ValueError, match=r"`w_slots` must have shape \[B, D0, D1\] = \[3, 4, 3\]; "
                                          r"got \[2, 4, 3\]"):
-        trace_gmm(cfg, mesh, np.float32, np.float32, num_slots=2)
+        trace_grouped_matmul(cfg, mesh, np.float32, np.float32, num_slots=2)
     with pytest.raises(TypeError, match=r"`w_local` must have the dtype of `x` \(bfloat16\); "
                                         r"got float32"):
-        trace_gmm(cfg, mesh, jnp.bfloat16, np.float32, num_slots=3)
+        trace_grouped_matmul(cfg, mesh, jnp.bfloat16, np.float32, num_slots=3)
 
 
 def test_reduce_grad_requires_float32_gradients(mesh_factory):

@@ -9,7 +9,7 @@ from moonep_jax import _checks, _xla
 from moonep_jax._cuda import ops as cuda_ops  # importable without the extension
 
 BACKEND_FUNCTIONS = {"plan", "dispatch", "combine", "combine_weights", "prefetch", "reduce_grad",
-                     "gmm", "gmm_dx", "gmm_dw"}
+                     "grouped_matmul", "grouped_matmul_dx", "grouped_matmul_dw"}
 
 
 def test_both_modules_define_every_backend_function_with_one_signature():

@@ -228,8 +228,8 @@ def test_weight_shapes_and_dtypes_are_checked(mesh_factory):
 
 
 def test_layer_reads_no_unspecified_weight_or_gradient(mesh_factory, seed, monkeypatch):
-    """moe_ffn asks prefetch for used slots only (`zero_unused_slots=False`) and gmm_dw for the
-    reduce_grad layout (`for_reduce_grad=True`: unused slot gradients, the weights'-dtype matrices
+    """moe_ffn asks prefetch for used slots only (`zero_unused_slots=False`) and grouped_matmul_dw
+    for the reduce_grad layout (`for_reduce_grad=True`: unused slot gradients, the weights'-dtype matrices
     of replicated experts and the fp32 partials of the others are unspecified): here the xla
     backends fill all of those with NaN, a legal "unspecified", and the layer's output and
     gradients must still match the dense reference."""
@@ -240,7 +240,7 @@ def test_layer_reads_no_unspecified_weight_or_gradient(mesh_factory, seed, monke
     from moonep_jax import _xla
 
     poisoned_ops = []
-    prefetch_xla, gmm_dw_xla = _xla.prefetch, _xla.gmm_dw
+    prefetch_xla, grouped_matmul_dw_xla = _xla.prefetch, _xla.grouped_matmul_dw
 
     def arguments(backend, args, kwargs):
         bound = inspect.signature(backend).bind(*args, **kwargs).arguments
@@ -258,12 +258,13 @@ def test_layer_reads_no_unspecified_weight_or_gradient(mesh_factory, seed, monke
         _, experts_to_copy, rank = arguments(prefetch_xla, args, kwargs)
         return nan_where(experts_to_copy[rank] >= 0, out)
 
-    def poisoned_gmm_dw(*args, for_reduce_grad=False, **kwargs):
-        d_local, d_partial, d_slots = gmm_dw_xla(*args, for_reduce_grad=for_reduce_grad, **kwargs)
+    def poisoned_grouped_matmul_dw(*args, for_reduce_grad=False, **kwargs):
+        d_local, d_partial, d_slots = grouped_matmul_dw_xla(*args, for_reduce_grad=for_reduce_grad,
+                                                            **kwargs)
         if not for_reduce_grad:
             return d_local, d_partial, d_slots
-        poisoned_ops.append("gmm_dw")
-        cfg, experts_to_copy, rank = arguments(gmm_dw_xla, args, kwargs)
+        poisoned_ops.append("grouped_matmul_dw")
+        cfg, experts_to_copy, rank = arguments(grouped_matmul_dw_xla, args, kwargs)
         replicated = jnp.isin(rank * cfg.epn + jnp.arange(cfg.epn), experts_to_copy)
         if d_partial.shape[0]:
             d_partial = nan_where(replicated, d_partial)
@@ -272,11 +273,11 @@ def test_layer_reads_no_unspecified_weight_or_gradient(mesh_factory, seed, monke
         return nan_where(~replicated, d_local), d_partial, d_slots
 
     monkeypatch.setattr(_xla, "prefetch", poisoned_prefetch)
-    monkeypatch.setattr(_xla, "gmm_dw", poisoned_gmm_dw)
+    monkeypatch.setattr(_xla, "grouped_matmul_dw", poisoned_grouped_matmul_dw)
     cfg = make_config(2, S=8, E=8)
     args = inputs(seed, cfg)
     assert_matches(jax.jit(ep_moe(cfg, mesh_factory(2))), dense_moe, args)
-    assert {"prefetch", "gmm_dw"} <= set(poisoned_ops)
+    assert {"prefetch", "grouped_matmul_dw"} <= set(poisoned_ops)
     # The routing must leave some slots unused and use some, or the poison proves nothing.
     p = jax.jit(jax.shard_map(lambda idx: plan(idx, cfg).experts_to_copy, mesh=mesh_factory(2),
                               in_specs=P("ep"), out_specs=P("ep")))(args[1])

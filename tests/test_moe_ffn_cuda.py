@@ -228,7 +228,7 @@ def test_backward_prefetches_again_instead_of_saving_slots(mesh, seed):
     compiled = lowered.compile().as_text()
     assert compiled.count('custom_call_target="moonep_prefetch"') == 4 * per_projection
     assert compiled.count('custom_call_target="moonep_reduce_grad"') == 2 * per_projection
-    assert compiled.count('custom_call_target="moonep_gmm_dw"') == 2
+    assert compiled.count('custom_call_target="moonep_grouped_matmul_dw"') == 2
     forward_only = _layer_fn(mesh, None, "cuda", False).lower(*args).as_text()
     assert forward_only.count("@moonep_prefetch") == 2 * per_projection
 
@@ -238,7 +238,7 @@ def test_training_step_with_command_buffers_bitwise_equal_to_without(mesh, seed)
     may trace them into command buffers (CUDA graphs): the step compiled with command buffers
     enabled for custom calls (and graphs of any size) runs, replays, and is bitwise equal to the
     step compiled without them. (XLA 0.11 forms command buffers from thunks, so the compiled HLO
-    does not show them; tests/test_gemm_cuda.py captures the launchers directly.)"""
+    does not show them; tests/test_grouped_matmul_cuda.py captures the launchers directly.)"""
     args = _inputs(seed, mesh.shape["ep"], 1.0)
     lowered = _layer_fn(mesh, None, "cuda", True).lower(*args)
     captured = lowered.compile(compiler_options={

@@ -8,7 +8,7 @@
 #include <type_traits>
 
 #include "kernels/constants.h"
-#include "kernels/grouped_gemm.h"
+#include "kernels/grouped_matmul.h"
 #include "kernels/plan.h"
 #include "xla_ffi/handlers.h"
 #include "xla_ffi/transport.h"
@@ -37,9 +37,10 @@ py::dict Registrations() {
 PYBIND11_MODULE(_moonep_jax_cuda, m) {
   m.doc() = "moonep_jax CUDA kernels as XLA FFI handlers";
   m.def("registrations", &Registrations, "FFI target name -> handler capsule.");
-  m.def("gmm_table_rows", &moonep::gmm_table_rows, py::arg("num_rows"), py::arg("num_groups"),
-        py::arg("overflow"), "Rows of the grouped GEMM's [rows, 4] int32 tile-table scratch.");
-  m.attr("GMM_TILE_M") = moonep::kGmmTileM;
+  m.def("grouped_matmul_table_rows", &moonep::grouped_matmul_table_rows, py::arg("num_rows"),
+        py::arg("num_groups"), py::arg("overflow"),
+        "Rows of the grouped GEMM's [rows, 4] int32 tile-table scratch.");
+  m.attr("GROUPED_MATMUL_TILE_M") = moonep::kGroupedMatmulTileM;
   m.def(
       "plan_graph_nodes",
       [](int num_experts, int top_k, int num_tokens, int num_ranks) {
@@ -55,12 +56,12 @@ PYBIND11_MODULE(_moonep_jax_cuda, m) {
       "(kernel nodes, other nodes) of the CUDA planner for these sizes, captured into a CUDA "
       "graph on the current device (nothing runs).");
   m.def(
-      "grouped_gemm_replays_equal",
+      "grouped_matmul_replays_equal",
       [] {
         bool forward = false, dx = false, dw = false;
-        const cudaError_t err = moonep::grouped_gemm_replays_equal(&forward, &dx, &dw);
+        const cudaError_t err = moonep::grouped_matmul_replays_equal(&forward, &dx, &dw);
         if (err != cudaSuccess) {
-          throw std::runtime_error(std::string("grouped_gemm_replays_equal: ") +
+          throw std::runtime_error(std::string("grouped_matmul_replays_equal: ") +
                                    cudaGetErrorString(err));
         }
         return py::make_tuple(forward, dx, dw);
@@ -76,6 +77,6 @@ PYBIND11_MODULE(_moonep_jax_cuda, m) {
   table_kinds["KIND_ZERO"] = moonep::kKindZero;
   table_kinds["KIND_UNUSED"] = moonep::kKindUnused;
   table_kinds["TABLE_COLUMNS"] = moonep::kTableColumns;
-  m.attr("GMM_TABLE_CONSTANTS") = table_kinds;
+  m.attr("GROUPED_MATMUL_TABLE_CONSTANTS") = table_kinds;
   moonep::register_transport_bindings(m);
 }

@@ -13,7 +13,7 @@ import pathlib
 import sys
 
 # Modules whose EXPORTS are built, in this directory.
-KERNEL_MODULES = ("grouped_gemm",)
+KERNEL_MODULES = ("grouped_matmul",)
 
 
 def main(argv=None) -> int:

@@ -3,8 +3,8 @@ and signatures of docs/CONTRACT.md, the same as `moonep_jax._xla`'s. Each is one
 two, for the planner) defined in its area's module; this module is the table."""
 
 from moonep_jax._cuda.comm import combine, combine_weights, dispatch, prefetch, reduce_grad
-from moonep_jax._cuda.gemm import gmm, gmm_dw, gmm_dx
+from moonep_jax._cuda.grouped_matmul import grouped_matmul, grouped_matmul_dw, grouped_matmul_dx
 from moonep_jax._cuda.plan import plan
 
-__all__ = ["combine", "combine_weights", "dispatch", "gmm", "gmm_dw", "gmm_dx", "plan",
-           "prefetch", "reduce_grad"]
+__all__ = ["combine", "combine_weights", "dispatch", "grouped_matmul", "grouped_matmul_dw",
+           "grouped_matmul_dx", "plan", "prefetch", "reduce_grad"]

@@ -1,4 +1,4 @@
-// Test support (see grouped_gemm.h, grouped_gemm_replays_equal): the grouped GEMM launchers
+// Test support (see grouped_matmul.h, grouped_matmul_replays_equal): the grouped GEMM launchers
 // captured into a CUDA graph, as XLA's command buffers capture kCmdBufferCompatible handlers, and
 // the graph's replays compared byte for byte with a direct launch. Buffers are allocated here,
 // outside any capture; the sizes cover a full and a partial M tile, an empty group and a slot.
@@ -7,7 +7,7 @@
 #include <random>
 #include <vector>
 
-#include "kernels/grouped_gemm.h"
+#include "kernels/grouped_matmul.h"
 
 namespace moonep {
 namespace {
@@ -29,7 +29,9 @@ class DeviceBuffer {
     return cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice);
   }
   template <typename T>
-  T* as() const { return static_cast<T*>(ptr_); }
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
   size_t bytes() const { return bytes_; }
 
  private:
@@ -103,7 +105,7 @@ cudaError_t direct_vs_replays(const Launch& launch, const std::vector<const Devi
 
 }  // namespace
 
-cudaError_t grouped_gemm_replays_equal(bool* forward, bool* dx, bool* dw) {
+cudaError_t grouped_matmul_replays_equal(bool* forward, bool* dx, bool* dw) {
   constexpr int32_t kRows = 640, kD0 = 256, kD1 = 512, kLocal = 3, kSlots = 2;
   // Groups: 200 rows, an empty one, 141, then slot 0 with 159 rows and slot 1 with 100; the last
   // 40 rows belong to no group.
@@ -119,19 +121,22 @@ cudaError_t grouped_gemm_replays_equal(bool* forward, bool* dx, bool* dw) {
   DeviceBuffer x, dy, w_local, w_slots, cu, rank, copies, y, dx_out, table, dw_local, dw_slots,
       flags;
   const size_t mats = static_cast<size_t>(kD0) * kD1;
-  const size_t table_bytes = static_cast<size_t>(gmm_table_rows(kRows, kLocal + kSlots, false)) *
-                             4 * sizeof(int32_t);
+  const size_t table_bytes =
+      static_cast<size_t>(grouped_matmul_table_rows(kRows, kLocal + kSlots, false)) * 4 *
+      sizeof(int32_t);
   for (cudaError_t e :
        {bf16(x, size_t{kRows} * kD0), bf16(dy, size_t{kRows} * kD1), bf16(w_local, kLocal * mats),
         bf16(w_slots, kSlots * mats), cu.fill(cu_seqlens.size() * 4, cu_seqlens.data()),
-        rank.fill(4, ep_rank.data()), copies.fill(experts_to_copy.size() * 4, experts_to_copy.data()),
+        rank.fill(4, ep_rank.data()),
+        copies.fill(experts_to_copy.size() * 4, experts_to_copy.data()),
         y.fill(size_t{kRows} * kD1 * 2, nullptr), dx_out.fill(size_t{kRows} * kD0 * 2, nullptr),
         table.fill(table_bytes, nullptr), dw_local.fill(kLocal * mats * 2, nullptr),
         dw_slots.fill(kSlots * mats * 4, nullptr), flags.fill(kLocal * 4, nullptr)}) {
     if (e != cudaSuccess) return e;
   }
-  const auto rows_params = [&](GmmRowsOp op, const DeviceBuffer& in, const DeviceBuffer& out) {
-    GmmRowsParams p{};
+  const auto rows_params = [&](GroupedMatmulOp op, const DeviceBuffer& in,
+                               const DeviceBuffer& out) {
+    GroupedMatmulParams p{};
     p.op = op;
     p.device = device;
     p.in = in.as<void>();
@@ -149,9 +154,9 @@ cudaError_t grouped_gemm_replays_equal(bool* forward, bool* dx, bool* dw) {
     p.num_groups = kLocal + kSlots;
     return p;
   };
-  const GmmRowsParams fwd_params = rows_params(GmmRowsOp::kForward, x, y);
-  const GmmRowsParams dx_params = rows_params(GmmRowsOp::kDx, dy, dx_out);
-  GmmDwParams dw_params{};
+  const GroupedMatmulParams fwd_params = rows_params(GroupedMatmulOp::kForward, x, y);
+  const GroupedMatmulParams dx_params = rows_params(GroupedMatmulOp::kDx, dy, dx_out);
+  GroupedMatmulDwParams dw_params{};
   dw_params.device = device;
   dw_params.x = x.as<void>();
   dw_params.dy = dy.as<void>();
@@ -170,14 +175,14 @@ cudaError_t grouped_gemm_replays_equal(bool* forward, bool* dx, bool* dw) {
   dw_params.num_groups = kLocal + kSlots;
   dw_params.zero_unused_slots = true;
   if (cudaError_t e = direct_vs_replays(
-          [&](cudaStream_t s) { return launch_gmm_rows(fwd_params, s); }, {&y}, forward);
+          [&](cudaStream_t s) { return launch_grouped_matmul(fwd_params, s); }, {&y}, forward);
       e != cudaSuccess)
     return e;
   if (cudaError_t e = direct_vs_replays(
-          [&](cudaStream_t s) { return launch_gmm_rows(dx_params, s); }, {&dx_out}, dx);
+          [&](cudaStream_t s) { return launch_grouped_matmul(dx_params, s); }, {&dx_out}, dx);
       e != cudaSuccess)
     return e;
-  return direct_vs_replays([&](cudaStream_t s) { return launch_gmm_dw(dw_params, s); },
+  return direct_vs_replays([&](cudaStream_t s) { return launch_grouped_matmul_dw(dw_params, s); },
                            {&dw_local, &dw_slots}, dw);
 }
 

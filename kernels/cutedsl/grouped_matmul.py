@@ -1,18 +1,18 @@
 """CuTe DSL grouped GEMM for sm_90a (TMA + WGMMA, bf16 in, fp32 accumulation).
 
-Three exported kernels share one CTA program (`GroupedGemm`):
+Three exported kernels share one CTA program (`GroupedMatmul`):
 
-- `moonep_gmm_fwd`  `y [NvS, D1] = x [NvS, D0] . W_g`, rows grouped (ragged M);
-- `moonep_gmm_dx`   `dx [NvS, D0] = dy [NvS, D1] . W_g^T`, rows grouped (ragged M);
-- `moonep_gmm_dw`   `dW_g [D0, D1] = x_g^T . dy_g`, one output matrix per local expert and per
-  slot (ragged K), accumulated in fp32 and stored in bf16 for the local experts no replica
+- `moonep_grouped_matmul`     `y [NvS, D1] = x [NvS, D0] . W_g`, rows grouped (ragged M);
+- `moonep_grouped_matmul_dx`  `dx [NvS, D0] = dy [NvS, D1] . W_g^T`, rows grouped (ragged M);
+- `moonep_grouped_matmul_dw`  `dW_g [D0, D1] = x_g^T . dy_g`, one output matrix per local expert
+  and per slot (ragged K), accumulated in fp32 and stored in bf16 for the local experts no replica
   contributes to, in fp32 for the others (partials that reduce_grad completes) and the slots.
 
-Ragged M: a tile table `[T, 4] int32` (built on the device by kernels/grouped_gemm.cu) gives, per
+Ragged M: a tile table `[T, 4] int32` (built on the device by kernels/grouped_matmul.cu) gives, per
 M tile, `(kind, row_start, row_end, mat)`: kind 0 multiplies rows `[row_start, row_end)` by
 `w_local[mat]`, kind 1 by `w_slots[mat]`, kind 2 writes zeros (rows past `cu_seqlens[-1]`),
-kind 3 is an unused table entry. A tile loads `TILE_M` rows starting at `row_start` with TMA (rows of
-the next group, or zeros past the end), and its stores are masked to `[row_start, row_end)`, so a
+kind 3 is an unused table entry. A tile loads `TILE_M` rows starting at `row_start` with TMA (rows
+of the next group, or zeros past the end), and its stores are masked to `[row_start, row_end)`, so a
 tile only ever writes rows of its own group. Weights are never concatenated: `w_local [epn, D0,
 D1]` and `w_slots [B, D0, D1]` are each seen as one stacked 2-D matrix, and a tile offsets its
 TMA coordinates to matrix `mat`.
@@ -91,7 +91,7 @@ def persistent_cta():
     return first_item, item_stride, cute.arch.make_warp_uniform(cute.arch.warp_idx()), tidx
 
 
-class GroupedGemm:
+class GroupedMatmul:
     """One CTA program for the three grouped GEMMs; `ragged_k` selects dW."""
 
     def __init__(self, ragged_k: bool, stack_mode: int = STACK_ALONG_K):
@@ -632,7 +632,7 @@ def _table():
 
 def compile_forward(options: str):
     """`x [M, D0]`, stacked `w_* (D1, mats*D0)` N-major (row-major `[mats*D0, D1]` memory)."""
-    gemm = GroupedGemm(ragged_k=False, stack_mode=STACK_ALONG_K)
+    gemm = GroupedMatmul(ragged_k=False, stack_mode=STACK_ALONG_K)
     x = _bf16((_dim(), _aligned_dim()), (1, 0))
     w_local = _bf16((_aligned_dim(), _dim()), (0, 1))
     w_slots = _bf16((_aligned_dim(), _dim()), (0, 1))
@@ -643,7 +643,7 @@ def compile_forward(options: str):
 
 def compile_dx(options: str):
     """`dy [M, D1]`, stacked `w_* (mats*D0, D1)` K-major (row-major memory)."""
-    gemm = GroupedGemm(ragged_k=False, stack_mode=STACK_ALONG_N)
+    gemm = GroupedMatmul(ragged_k=False, stack_mode=STACK_ALONG_N)
     dy = _bf16((_dim(), _aligned_dim()), (1, 0))
     w_local = _bf16((_dim(), _aligned_dim()), (1, 0))
     w_slots = _bf16((_dim(), _aligned_dim()), (1, 0))
@@ -655,7 +655,7 @@ def compile_dx(options: str):
 def compile_dw(options: str):
     """`x^T (D0, M)` and `dy^T (D1, M)` M/N-major views; `dw_local (D0, D1, mats)` bf16 and
     `dw_partial`, `dw_slots (D0, D1, mats)` fp32, all row-major `[mats, D0, D1]` memory."""
-    gemm = GroupedGemm(ragged_k=True)
+    gemm = GroupedMatmul(ragged_k=True)
     x_t = _bf16((_aligned_dim(), _dim()), (0, 1))
     dy_t = _bf16((_aligned_dim(), _dim()), (0, 1))
 
@@ -675,7 +675,7 @@ def compile_dw(options: str):
 
 
 EXPORTS = {
-    "moonep_gmm_fwd": compile_forward,
-    "moonep_gmm_dx": compile_dx,
-    "moonep_gmm_dw": compile_dw,
+    "moonep_grouped_matmul": compile_forward,
+    "moonep_grouped_matmul_dx": compile_dx,
+    "moonep_grouped_matmul_dw": compile_dw,
 }

@@ -62,13 +62,14 @@ CASES = ["random", "giant", "one_row"]
 
 @pytest.mark.parametrize("num_rows,d0,d1", SHAPES)
 @pytest.mark.parametrize("case", CASES)
-def test_gmm_forward_and_dx_match_fp32_reference(seed, case, num_rows, d0, d1):
-    from moonep_jax._cuda.gemm import grouped_matmul, grouped_matmul_dx
+def test_grouped_matmul_forward_and_dx_match_fp32_reference(seed, case, num_rows, d0, d1):
+    from moonep_jax._cuda.grouped_matmul import (grouped_matmul_dx_of_groups,
+                                                 grouped_matmul_of_groups)
 
     cu_seqlens, x, dy, w_local, w_slots = _inputs(seed, case, num_rows, d0, d1)
     rank = np.array([RANK], np.int32)
-    y, dx = jax.jit(lambda *a: (grouped_matmul(a[0], a[2], a[3], a[4], a[5]),
-                                grouped_matmul_dx(a[1], a[2], a[3], a[4], a[5])))(
+    y, dx = jax.jit(lambda *a: (grouped_matmul_of_groups(a[0], a[2], a[3], a[4], a[5]),
+                                grouped_matmul_dx_of_groups(a[1], a[2], a[3], a[4], a[5])))(
         x, dy, w_local, w_slots, cu_seqlens, rank)
     y, dx = np.asarray(y, np.float32), np.asarray(dx, np.float32)
     groups = _group_of_rows(cu_seqlens, num_rows)
@@ -96,17 +97,17 @@ def _experts_to_copy(rng, replicated):
 
 @pytest.mark.parametrize("num_rows,d0,d1", SHAPES)
 @pytest.mark.parametrize("case", CASES)
-def test_gmm_dw_matches_fp32_reference(seed, case, num_rows, d0, d1):
+def test_grouped_matmul_dw_matches_fp32_reference(seed, case, num_rows, d0, d1):
     """dW in its three layouts: fp32 partials of every local expert (all replicated) against an
     fp32 reference; then the public layout (every local expert in bf16) and moe_ffn's (bf16 for
     the experts nobody replicates, fp32 partials for the others, R = 1: no slots) must hold the
     same accumulators, rounded once, bit for bit."""
-    from moonep_jax._cuda.gemm import grouped_matmul_dw
+    from moonep_jax._cuda.grouped_matmul import grouped_matmul_dw_of_groups
 
     rng = np.random.default_rng(seed + 1)
     cu_seqlens, x, dy, _, _ = _inputs(seed, case, num_rows, d0, d1)
     rank = np.array([RANK], np.int32)
-    dw = jax.jit(grouped_matmul_dw, static_argnums=(5, 6, 7),
+    dw = jax.jit(grouped_matmul_dw_of_groups, static_argnums=(5, 6, 7),
                  static_argnames="zero_unused_slots")
     every = _experts_to_copy(rng, np.arange(EPN))
     _, partial_all, slots = dw(x, dy, cu_seqlens, rank, every, EPN, EPN, EPN)
@@ -153,26 +154,26 @@ def test_launchers_captured_into_a_cuda_graph_replay_what_a_direct_launch_writes
     used slot, rows of no group)."""
     from moonep_jax import _ffi
 
-    assert _ffi.lib().grouped_gemm_replays_equal() == (True, True, True)
+    assert _ffi.lib().grouped_matmul_replays_equal() == (True, True, True)
 
 
-def test_gmm_dw_refuses_inference_overflow_configs():
+def test_grouped_matmul_dw_refuses_inference_overflow_configs():
     from moonep_jax import EPConfig
-    from moonep_jax._cuda.gemm import gmm_dw
+    from moonep_jax._cuda.grouped_matmul import grouped_matmul_dw
 
     cfg = EPConfig(num_experts=8, top_k=2, tokens_per_rank=16, hidden=64, ffn_hidden=64,
                    num_ranks=2, prefetch_slots=2)
     with pytest.raises(ValueError, match="gradients need prefetch_slots == epn"):
-        gmm_dw(None, None, None, cfg)
+        grouped_matmul_dw(None, None, None, cfg)
 
 
-def test_gmm_overflow_needs_the_transport():
-    from moonep_jax._cuda.gemm import grouped_matmul
+def test_grouped_matmul_overflow_needs_the_transport():
+    from moonep_jax._cuda.grouped_matmul import grouped_matmul_of_groups
 
     x = jnp.zeros((16, 64), jnp.bfloat16)
     w_local, w_slots = jnp.zeros((4, 64, 64), jnp.bfloat16), jnp.zeros((2, 64, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="B = 2 < epn = 4"):
-        jax.eval_shape(grouped_matmul, x, w_local, w_slots, jnp.zeros(10, jnp.int32),
+        jax.eval_shape(grouped_matmul_of_groups, x, w_local, w_slots, jnp.zeros(10, jnp.int32),
                        jnp.zeros(1, jnp.int32))
 
 
@@ -198,14 +199,15 @@ def _overflow_inputs(rng, R, num_rows, d0, d1):
 
 @pytest.mark.parametrize("num_rows,d0,d1", [(1000, 256, 512), (777, 136, 264)])
 @pytest.mark.parametrize("R", [1, 2])
-def test_gmm_overflow_forward_and_dx_read_peer_weights(mesh_factory, seed, R, num_rows, d0, d1):
+def test_grouped_matmul_overflow_forward_and_dx_read_peer_weights(mesh_factory, seed, R, num_rows, d0, d1):
     """B < epn: every group g < E has rows on every rank, so with R = 2 half of them multiply by
     the peer's w_local, read in place; R = 1 runs the same rendezvous with a group of one."""
     from jax.sharding import PartitionSpec as P
 
     from moonep_jax import EPConfig
     from moonep_jax._cuda import transport
-    from moonep_jax._cuda.gemm import grouped_matmul, grouped_matmul_dx, transport_attrs
+    from moonep_jax._cuda.grouped_matmul import (grouped_matmul_dx_of_groups,
+                                                 grouped_matmul_of_groups, transport_attrs)
 
     mesh = mesh_factory(R)
     transport.bootstrap(mesh, "ep")
@@ -218,8 +220,8 @@ def test_gmm_overflow_forward_and_dx_read_peer_weights(mesh_factory, seed, R, nu
     def per_rank(x, dy, w_local, w_slots, cu_seqlens):
         rank = jax.lax.axis_index("ep").astype(jnp.int32).reshape(1)
         attrs = transport_attrs(cfg)
-        y = grouped_matmul(x[0], w_local, w_slots, cu_seqlens[0], rank, attrs)
-        dx = grouped_matmul_dx(dy[0], w_local, w_slots, cu_seqlens[0], rank, attrs)
+        y = grouped_matmul_of_groups(x[0], w_local, w_slots, cu_seqlens[0], rank, attrs)
+        dx = grouped_matmul_dx_of_groups(dy[0], w_local, w_slots, cu_seqlens[0], rank, attrs)
         return y[None], dx[None]
 
     y, dx = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(

@@ -1,4 +1,4 @@
-"""Grouped GEMMs on the GPU: the CuTe DSL kernels behind `moonep_gmm_fwd`, `_dx` and `_dw`.
+"""Grouped GEMMs on the GPU: the CuTe DSL kernels behind `moonep_grouped_matmul`, `_dx` and `_dw`.
 
 Rows of the `[NvS, .]` activations are grouped by `plan.cu_seqlens [G]` (G = E + B); group
 `g < E` multiplies by its home rank's `w_local[g % epn]`, group `g >= E` by `w_slots[g - E]`.
@@ -8,7 +8,7 @@ bf16 operands, fp32 accumulation, rows past `cu_seqlens[-1]` written zero (CONTR
 Inference overflow (B < epn, decided statically from the shapes): a non-empty group `g < E` of
 another rank's expert reads that expert's weights in place from the home rank's `w_local` over
 NVLink. The forward and dX calls then publish `w_local`'s address to the EP group and barrier on
-entry and exit (`kernels/grouped_gemm.h`), so they need the transport attributes; with B == epn
+entry and exit (`kernels/grouped_matmul.h`), so they need the transport attributes; with B == epn
 no overflow group exists, there is no barrier and the attributes are not read. dW needs B == epn
 (gradients are refused at trace time with overflow).
 """
@@ -30,14 +30,14 @@ ALIGN_ELEMS = 8
 
 def tile_m() -> int:
     """Rows per M tile of the ragged-M kernels, as the loaded extension was built."""
-    return _ffi.lib().GMM_TILE_M
+    return _ffi.lib().GROUPED_MATMUL_TILE_M
 
 
 def table_rows(num_rows: int, num_groups: int, overflow: bool) -> int:
-    """Rows of the tile-table scratch (kernels/grouped_gemm.h: gmm_table_rows): the CuTe table,
-    then with overflow a count row and the overflow table. Asked of the extension, whose kernels
+    """Rows of the tile-table scratch (kernels/grouped_matmul.h: grouped_matmul_table_rows): the
+    CuTe table, then with overflow a count row and the overflow table. Asked of the extension, whose kernels
     fill it."""
-    return _ffi.lib().gmm_table_rows(num_rows, num_groups, overflow)
+    return _ffi.lib().grouped_matmul_table_rows(num_rows, num_groups, overflow)
 
 
 # With B == epn the handlers never read the transport attributes; these only fill the binding.
@@ -80,25 +80,28 @@ def _rows(target: str, a, w_local, w_slots, cu_seqlens, ep_rank, out_cols: int,
     return out
 
 
-def grouped_matmul(x, w_local, w_slots, cu_seqlens, ep_rank, transport: dict | None = None):
+def grouped_matmul_of_groups(x, w_local, w_slots, cu_seqlens, ep_rank,
+                             transport: dict | None = None):
     """`y [NvS, D1]`: `x [NvS, D0]` rows of group g times its weights; `ep_rank [1] int32`.
 
     `transport` (`transport_attrs(cfg)`) is required when B < epn (overflow groups possible).
     """
-    _check("moonep_gmm_fwd", {"x": x, "w_local": w_local, "w_slots": w_slots})
-    return _rows("moonep_gmm_fwd", x, w_local, w_slots, cu_seqlens, ep_rank, w_local.shape[2],
-                 transport)
+    _check("moonep_grouped_matmul", {"x": x, "w_local": w_local, "w_slots": w_slots})
+    return _rows("moonep_grouped_matmul", x, w_local, w_slots, cu_seqlens, ep_rank,
+                 w_local.shape[2], transport)
 
 
-def grouped_matmul_dx(dy, w_local, w_slots, cu_seqlens, ep_rank, transport: dict | None = None):
+def grouped_matmul_dx_of_groups(dy, w_local, w_slots, cu_seqlens, ep_rank,
+                                transport: dict | None = None):
     """`dx [NvS, D0]`: `dy [NvS, D1]` rows of group g times its weights transposed."""
-    _check("moonep_gmm_dx", {"dy": dy, "w_local": w_local, "w_slots": w_slots})
-    return _rows("moonep_gmm_dx", dy, w_local, w_slots, cu_seqlens, ep_rank, w_local.shape[1],
-                 transport)
+    _check("moonep_grouped_matmul_dx", {"dy": dy, "w_local": w_local, "w_slots": w_slots})
+    return _rows("moonep_grouped_matmul_dx", dy, w_local, w_slots, cu_seqlens, ep_rank,
+                 w_local.shape[1], transport)
 
 
-def grouped_matmul_dw(x, dy, cu_seqlens, ep_rank, experts_to_copy, num_local: int,
-                      num_partials: int, num_slots: int, *, zero_unused_slots: bool = True):
+def grouped_matmul_dw_of_groups(x, dy, cu_seqlens, ep_rank, experts_to_copy, num_local: int,
+                                num_partials: int, num_slots: int, *,
+                                zero_unused_slots: bool = True):
     """`(dw_local [epn, D0, D1] bf16, dw_partial [P, D0, D1] f32, dw_slots [B', D0, D1] f32)`:
     `x_g^T dy_g` per local expert and slot, accumulated in fp32.
 
@@ -108,10 +111,10 @@ def grouped_matmul_dw(x, dy, cu_seqlens, ep_rank, experts_to_copy, num_local: in
     `dw_local`. `num_slots` is B or 0 (no slot gradients). Slot matrices without rows are zero, or
     left unwritten with `zero_unused_slots=False`.
     """
-    _check("moonep_gmm_dw", {"x": x, "dy": dy})
+    _check("moonep_grouped_matmul_dw", {"x": x, "dy": dy})
     aval = jax.typeof(x)
     d0, d1 = x.shape[1], dy.shape[1]
-    dw_local, dw_partial, dw_slots, _ = jax.ffi.ffi_call("moonep_gmm_dw", (
+    dw_local, dw_partial, dw_slots, _ = jax.ffi.ffi_call("moonep_grouped_matmul_dw", (
         aval.update(shape=(num_local, d0, d1)),
         aval.update(shape=(num_partials, d0, d1), dtype=jnp.float32),
         aval.update(shape=(num_slots, d0, d1), dtype=jnp.float32),
@@ -131,21 +134,21 @@ def _overflow_transport(cfg: EPConfig) -> dict | None:
     return None if cfg.trainable else transport_attrs(cfg)
 
 
-def gmm(x, w_local, w_slots, plan: Plan, cfg: EPConfig):
-    return grouped_matmul(x, w_local, w_slots, plan.cu_seqlens, _ep_rank(cfg),
-                          _overflow_transport(cfg))
+def grouped_matmul(x, w_local, w_slots, plan: Plan, cfg: EPConfig):
+    return grouped_matmul_of_groups(x, w_local, w_slots, plan.cu_seqlens, _ep_rank(cfg),
+                                    _overflow_transport(cfg))
 
 
-def gmm_dx(d_y, w_local, w_slots, plan: Plan, cfg: EPConfig):
-    return grouped_matmul_dx(d_y, w_local, w_slots, plan.cu_seqlens, _ep_rank(cfg),
-                             _overflow_transport(cfg))
+def grouped_matmul_dx(d_y, w_local, w_slots, plan: Plan, cfg: EPConfig):
+    return grouped_matmul_dx_of_groups(d_y, w_local, w_slots, plan.cu_seqlens, _ep_rank(cfg),
+                                       _overflow_transport(cfg))
 
 
-def gmm_dw(x, d_y, plan: Plan, cfg: EPConfig, *, for_reduce_grad: bool = False):
-    _checks.check_trainable("moonep_jax._cuda.gemm.gmm_dw", cfg)
+def grouped_matmul_dw(x, d_y, plan: Plan, cfg: EPConfig, *, for_reduce_grad: bool = False):
+    _checks.check_trainable("moonep_jax._cuda.grouped_matmul.grouped_matmul_dw", cfg)
     num_partials, num_slots = weight_grad_counts(cfg, for_reduce_grad)
     # Slots without rows are exactly the unused ones: the planner fills a slot only for an
     # expert it allocates rows to (moonep_algorithm.md §3.4, alloc > 0).
-    return grouped_matmul_dw(x, d_y, plan.cu_seqlens, _ep_rank(cfg), plan.experts_to_copy,
-                             cfg.epn, num_partials, num_slots,
-                             zero_unused_slots=not for_reduce_grad)
+    return grouped_matmul_dw_of_groups(x, d_y, plan.cu_seqlens, _ep_rank(cfg),
+                                       plan.experts_to_copy, cfg.epn, num_partials, num_slots,
+                                       zero_unused_slots=not for_reduce_grad)
