@@ -416,7 +416,8 @@ NCU_CATEGORIES = (
     ("gemm_dw", r"weight_grad_kernel"),
     ("converts", r"convert"),
     ("reduce_grad", r"reduce_grad"),
-    ("dispatch_combine", r"dispatch_(send|fill)_kernel|combine_(weights_)?gather_kernel"),
+    ("dispatch_combine", r"dispatch_\w*kernel|combine_\w*kernel"),
+    ("planner", r"plan_\w*kernel"),
     ("rest", r"."),
 )
 NCU_TIMEOUT_S = 300
