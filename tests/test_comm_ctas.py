@@ -29,7 +29,7 @@ def _traced_ctas(mesh, num_sms):
     seen = []
 
     def body(x):
-        seen.append(transport.comm_ctas(cfg))
+        seen.append(transport.comm_ctas(cfg, transport.mesh_devices(cfg)))
         return x
 
     jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))).lower(

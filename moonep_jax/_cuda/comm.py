@@ -8,7 +8,8 @@ keep the operands' varying-mesh-axis annotation.
 
 Every call also receives the transport attributes: `mesh_devices` (the JAX device ids of the
 bootstrapped mesh, one row per EP group; the kernels find their EP rank in it), `num_ranks`,
-`num_sms` (CTAs of the data kernels, `transport.comm_ctas`) and `timeout_ns` (bound of every cross-GPU wait).
+`num_sms` (CTAs of the data kernels, `transport.comm_ctas`) and `timeout_ns` (bound of every
+cross-GPU wait).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ _SUM_DTYPES = (jnp.bfloat16, jnp.float32)
 
 
 def _transport_attrs(cfg: EPConfig) -> dict:
+    mesh_devices = transport.mesh_devices(cfg)
     return dict(
-        mesh_devices=transport.mesh_devices(cfg),
+        mesh_devices=mesh_devices,
         num_ranks=np.int32(cfg.num_ranks),
-        num_sms=np.int32(transport.comm_ctas(cfg)),
+        num_sms=np.int32(transport.comm_ctas(cfg, mesh_devices)),
         timeout_ns=np.int64(round(cfg.cuda.timeout_s * 1e9)),
     )
 

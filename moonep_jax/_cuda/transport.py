@@ -154,15 +154,14 @@ def mesh_devices(cfg) -> np.ndarray:
     return np.asarray(rows, np.int32).reshape(-1)
 
 
-def comm_ctas(cfg) -> int:
-    """CTAs of the communication kernels for a CUDA op traced inside `jax.shard_map` (no side
-    effect): `cfg.cuda.num_sms`, or else one per SM of this process's devices of the bootstrapped
-    mesh (the fewest, should they differ)."""
+def comm_ctas(cfg, mesh_devices: np.ndarray) -> int:
+    """CTAs of the communication kernels of an op traced with the `mesh_devices` attribute (no side
+    effect): `cfg.cuda.num_sms`, or else one per SM of this process's devices among them (the
+    fewest, should they differ)."""
     if cfg.cuda.num_sms is not None:
         return cfg.cuda.num_sms
-    ids = [int(i) for i in mesh_devices(cfg)]  # takes _lock itself
     with _lock:
-        counts = [_sm_counts[i] for i in ids if i in _sm_counts]
+        counts = [_sm_counts[i] for i in map(int, mesh_devices) if i in _sm_counts]
     if not counts or not all(isinstance(c, int) and c > 0 for c in counts):
         raise RuntimeError(
             f"JAX does not report the SM count (`core_count`) of this process's EP devices "
