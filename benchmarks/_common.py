@@ -56,6 +56,12 @@ def provenance() -> dict:
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat()}
 
 
+def comm_ctas(cfg) -> int | None:
+    """CTAs the communication kernels get under `cfg`: `CudaOptions.num_sms`, or one per SM of
+    this process's first device (the default, None; None on a backend that reports no SMs)."""
+    return cfg.cuda.num_sms or getattr(jax.local_devices()[0], "core_count", None)
+
+
 def device_tag(count: int | None = None) -> str:
     """`<gpu model>x<count>` for file names (`cpu` when not on a GPU); `count` defaults to the
     devices jax sees (N processes sharing one GPU see N devices of one GPU: they pass 1)."""

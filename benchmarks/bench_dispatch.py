@@ -406,7 +406,7 @@ def run_ranks(args) -> None:
     path = args.out / f"{stem}.json"
     record = {"schema": "moonep_jax.bench_dispatch_processes/1", **_processes.provenance(R),
               "shape": dataclasses.asdict(shape), "dtype": "bfloat16", "nvs": cfg.nvs,
-              "num_sms": cfg.cuda.num_sms, "iters": args.iters, "reps": args.reps,
+              "num_sms": _common.comm_ctas(cfg), "iters": args.iters, "reps": args.reps,
               "implementation": impl, "methods": [method], "skipped_methods": skipped,
               "hbm_bytes_method": " ".join(hbm_bytes.__doc__.split()),
               "points": []}
@@ -498,7 +498,8 @@ def main():
     record = {
         "schema": "moonep_jax.bench_dispatch/1", **_common.provenance(),
         "shape": dataclasses.asdict(shape), "dtype": "bfloat16", "nvs": cfgs["xla"].nvs,
-        "num_sms": cfgs["cuda"].cuda.num_sms, "iters": args.iters, "reps": args.reps,
+        "process_layout": f"one process driving all {R} EP ranks (one per device)",
+        "num_sms": _common.comm_ctas(cfgs["cuda"]), "iters": args.iters, "reps": args.reps,
         "methods": methods,
         "skipped_methods": skipped,
         "points": [],
