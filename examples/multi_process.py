@@ -80,6 +80,10 @@ def step(params, x, topk_idx, topk_w):  # expert gradients: summed over "data" b
 
 loss, params, received = step(params, x, topk_idx, topk_w)
 slots = sorted({int(n) for shard in received.addressable_shards for n in np.asarray(shard.data)})
-print(f"process {jax.process_index()}/{jax.process_count()}: mesh {dict(mesh.shape)}, maxvio "
-      f"{float(maxvio):.2f}, loss {float(loss):.6f}, slots received per local rank {slots}")
+# One write of the whole line: the processes of a job often share a terminal, and print() writes
+# the text and its newline separately, so two processes' reports could run into one line.
+sys.stdout.write(f"process {jax.process_index()}/{jax.process_count()}: mesh {dict(mesh.shape)}, "
+                 f"maxvio {float(maxvio):.2f}, loss {float(loss):.6f}, slots received per local "
+                 f"rank {slots}\n")
+sys.stdout.flush()
 moonep_jax.check_transport_errors()
