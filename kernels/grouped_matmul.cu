@@ -397,32 +397,35 @@ cudaError_t launch_grouped_matmul(const GroupedMatmulParams& p, cudaStream_t str
         e != cudaSuccess)
       return e;
   }
-  const int32_t stacked_local = p.num_local * p.d0, stacked_slots = p.num_slots * p.d0;
   int32_t ctas = 0;
   if (cudaError_t e = persistent_ctas(p.device, &ctas); e != cudaSuccess) return e;
+  // The weights, row-major [mats, D0, D1], as rank-3 tensors with the matrix last: the
+  // forward's B = W is (D1, D0, mats) with strides (1, D1, D0*D1), dX's B = W^T is (D0, D1, mats)
+  // with strides (D1, 1, D0*D1); the dynamic strides are D1 and D0*D1 in both.
+  const int64_t mat_stride = static_cast<int64_t>(p.d0) * p.d1;
+  const int32_t n = p.op == GroupedMatmulOp::kForward ? p.d1 : p.d0;
+  const int32_t k = p.op == GroupedMatmulOp::kForward ? p.d0 : p.d1;
   int32_t status = 0;
   if (p.op == GroupedMatmulOp::kForward) {
-    // B = W in (N, K) orientation: the (D1, mats*D0) view of row-major [mats*D0, D1].
     auto a = matrix<moonep_grouped_matmul_Tensor_a_t>(p.in, p.num_rows, p.d0, false);
-    auto b_local =
-        matrix<moonep_grouped_matmul_Tensor_b_local_t>(p.w_local, stacked_local, p.d1, true);
-    auto b_slots =
-        matrix<moonep_grouped_matmul_Tensor_b_slots_t>(p.w_slots, stacked_slots, p.d1, true);
+    moonep_grouped_matmul_Tensor_b_local_t b_local = {
+        const_cast<void*>(p.w_local), {n, k, p.num_local}, {p.d1, mat_stride}};
+    moonep_grouped_matmul_Tensor_b_slots_t b_slots = {
+        const_cast<void*>(p.w_slots), {n, k, p.num_slots}, {p.d1, mat_stride}};
     auto c = matrix<moonep_grouped_matmul_Tensor_c_t>(p.out, p.num_rows, p.d1, false);
     moonep_grouped_matmul_Tensor_tile_table_t table = {p.tile_table, {max_tiles}};
     status = cute_dsl_moonep_grouped_matmul_wrapper(fwd_module().get(), &a, &b_local, &b_slots, &c,
-                                                    &table, p.d0, ctas, stream);
+                                                    &table, ctas, stream);
   } else {
-    // B = W^T in (N, K) orientation: the (mats*D0, D1) view of row-major [mats*D0, D1].
     auto a = matrix<moonep_grouped_matmul_dx_Tensor_a_t>(p.in, p.num_rows, p.d1, false);
-    auto b_local =
-        matrix<moonep_grouped_matmul_dx_Tensor_b_local_t>(p.w_local, stacked_local, p.d1, false);
-    auto b_slots =
-        matrix<moonep_grouped_matmul_dx_Tensor_b_slots_t>(p.w_slots, stacked_slots, p.d1, false);
+    moonep_grouped_matmul_dx_Tensor_b_local_t b_local = {
+        const_cast<void*>(p.w_local), {n, k, p.num_local}, {p.d1, mat_stride}};
+    moonep_grouped_matmul_dx_Tensor_b_slots_t b_slots = {
+        const_cast<void*>(p.w_slots), {n, k, p.num_slots}, {p.d1, mat_stride}};
     auto c = matrix<moonep_grouped_matmul_dx_Tensor_c_t>(p.out, p.num_rows, p.d0, false);
     moonep_grouped_matmul_dx_Tensor_tile_table_t table = {p.tile_table, {max_tiles}};
     status = cute_dsl_moonep_grouped_matmul_dx_wrapper(dx_module().get(), &a, &b_local, &b_slots,
-                                                       &c, &table, p.d0, ctas, stream);
+                                                       &c, &table, ctas, stream);
   }
   if (status != 0) return static_cast<cudaError_t>(status);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;

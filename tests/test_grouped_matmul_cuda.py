@@ -48,15 +48,20 @@ def _assert_bf16_close(out, ref):
 
 
 def _inputs(seed, case, num_rows, d0, d1):
+    """Rows, weights and groups; the weights of every empty group are NaN, which the kernels must
+    never read (moe_ffn leaves unused slots unwritten), also where a K tile runs past D0."""
     rng = np.random.default_rng(seed)
     sizes = _group_sizes(rng, case, num_rows)
     cu_seqlens = np.cumsum(sizes).astype(np.int32)
     bf16 = lambda shape: rng.standard_normal(shape).astype(jnp.bfloat16)  # noqa: E731
-    return (cu_seqlens, bf16((num_rows, d0)), bf16((num_rows, d1)), bf16((EPN, d0, d1)),
-            bf16((EPN, d0, d1)))
+    w_local, w_slots = bf16((EPN, d0, d1)), bf16((EPN, d0, d1))
+    w_local[sizes[RANK * EPN:(RANK + 1) * EPN] == 0] = np.nan
+    w_slots[sizes[NUM_EXPERTS:] == 0] = np.nan
+    return cu_seqlens, bf16((num_rows, d0)), bf16((num_rows, d1)), w_local, w_slots
 
 
-SHAPES = [(1000, 256, 512), (777, 136, 264), (4096, 1024, 2048)]
+# (300, 40, 72): D0 below one K tile, so every K tile runs past the matrix.
+SHAPES = [(1000, 256, 512), (777, 136, 264), (300, 40, 72), (4096, 1024, 2048)]
 CASES = ["random", "giant", "one_row"]
 
 

@@ -14,8 +14,9 @@ M tile, `(kind, row_start, row_end, mat)`: kind 0 multiplies rows `[row_start, r
 kind 3 is an unused table entry. A tile loads `TILE_M` rows starting at `row_start` with TMA (rows
 of the next group, or zeros past the end), and its stores are masked to `[row_start, row_end)`, so a
 tile only ever writes rows of its own group. Weights are never concatenated: `w_local [epn, D0,
-D1]` and `w_slots [B, D0, D1]` are each seen as one stacked 2-D matrix, and a tile offsets its
-TMA coordinates to matrix `mat`.
+D1]` and `w_slots [B, D0, D1]` are each one rank-3 TMA tensor whose third mode is the matrix, so
+a K or N tile that runs past D0 or D1 reads zeros, never the next matrix (which may be an unused
+slot holding anything, NaN included: moe_ffn leaves unused slots unwritten).
 
 Ragged K (dW): output matrix `j < epn` is local expert `home*epn + j` (group `home*epn + j`),
 `j >= epn` is slot `j - epn` (group `E + j - epn`); the K loop runs over the group's rows. The
@@ -58,8 +59,6 @@ ATOM_M = 64  # rows of one WGMMA; the two consumer warp groups own alternate ATO
 # holds the two equal).
 KIND_LOCAL, KIND_SLOT, KIND_ZERO, KIND_UNUSED = 0, 1, 2, 3
 TABLE_COLUMNS = 4
-# Stacked weights: the mode along which matrix `mat` is offset (fwd: K, dX: N).
-STACK_ALONG_N, STACK_ALONG_K = 0, 1
 # Each stride and dimension that TMA sees must be a multiple of 16 bytes = 8 bf16.
 ALIGN_ELEMS = 8
 # Warp specialisation: warp group 0 loads (one warp issues TMA), warp groups 1 and 2 compute.
@@ -94,9 +93,8 @@ def persistent_cta():
 class GroupedMatmul:
     """One CTA program for the three grouped GEMMs; `ragged_k` selects dW."""
 
-    def __init__(self, ragged_k: bool, stack_mode: int = STACK_ALONG_K):
+    def __init__(self, ragged_k: bool):
         self.ragged_k = ragged_k
-        self.stack_mode = stack_mode
         self.tile_mnk = (TILE_M, TILE_N, TILE_K)
         self.atom_layout_mnk = (2, 1, 1)  # two consumer warp groups, alternate 64-row blocks
         self.num_threads = THREADS_PER_GROUP + NUM_CONSUMER_THREADS
@@ -141,13 +139,12 @@ class GroupedMatmul:
 
     @cute.jit
     def rows(self, a: cute.Tensor, b_local: cute.Tensor, b_slots: cute.Tensor, c: cute.Tensor,
-             tile_table: cute.Tensor, mat_extent: cutlass.Int32, num_ctas: cutlass.Int32,
-             stream: cuda.CUstream):
+             tile_table: cute.Tensor, num_ctas: cutlass.Int32, stream: cuda.CUstream):
         """`c[rows of tile] = a[rows] . B_mat^T` for every tile of `tile_table`.
 
-        `a [M, K]`, `b_* [N_b, K_b]` (the stacked weights in (N, K) orientation), `c [M, N]`;
-        `mat_extent` is the size of one stacked matrix along `self.stack_mode`; `num_ctas`
-        persistent CTAs (one per SM) share the (table tile, N tile) work items.
+        `a [M, K]`, `b_* (N, K, mats)` (the weights in (N, K) orientation, one matrix per index
+        of the last mode), `c [M, N]`; `num_ctas` persistent CTAs (one per SM) share the
+        (table tile, N tile) work items.
         """
         self._setup(a, b_local)
         tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (TILE_M, TILE_K))
@@ -159,15 +156,14 @@ class GroupedMatmul:
         num_items = rows_num_items(c, tile_table)
         self.rows_kernel(
             self.tiled_mma, tma_a, tma_tensor_a, tma_b_local, tma_tensor_b_local, tma_b_slots,
-            tma_tensor_b_slots, c, tile_table, mat_extent, self.a_smem_staged,
+            tma_tensor_b_slots, c, tile_table, self.a_smem_staged,
             self.b_smem_staged,
         ).launch(grid=(cutlass.min(num_ctas, num_items), 1, 1), block=(self.num_threads, 1, 1),
                  stream=stream)
 
     @cute.jit
     def rows_item(self, item: cutlass.Int32, mA: cute.Tensor, mB_local: cute.Tensor,
-                  mB_slots: cute.Tensor, mC: cute.Tensor, tile_table: cute.Tensor,
-                  mat_extent: cutlass.Int32):
+                  mB_slots: cute.Tensor, mC: cute.Tensor, tile_table: cute.Tensor):
         """Work item -> (kind, row_start, row_end, K tiles, gA, gB_local, gB_slots, n_tile)."""
         num_n_tiles = cute.ceil_div(cute.size(mC, mode=[1]), TILE_N)
         n_tile = item % num_n_tiles
@@ -182,22 +178,15 @@ class GroupedMatmul:
         if kind == KIND_UNUSED:
             row_end = row_start
         gA = cute.local_tile(cute.domain_offset((row_start, 0), mA), (TILE_M, TILE_K), (0, None))
-        if cutlass.const_expr(self.stack_mode == STACK_ALONG_K):
-            offset = (0, mat * mat_extent)
-        else:
-            offset = (mat * mat_extent, 0)
-        gB_local = cute.local_tile(cute.domain_offset(offset, mB_local), (TILE_N, TILE_K),
-                                   (n_tile, None))
-        gB_slots = cute.local_tile(cute.domain_offset(offset, mB_slots), (TILE_N, TILE_K),
-                                   (n_tile, None))
+        gB_local = cute.local_tile(mB_local[None, None, mat], (TILE_N, TILE_K), (n_tile, None))
+        gB_slots = cute.local_tile(mB_slots[None, None, mat], (TILE_N, TILE_K), (n_tile, None))
         return kind, row_start, row_end, num_k_tiles, gA, gB_local, gB_slots, n_tile
 
     @cute.kernel
     def rows_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
                     tma_b_local: cute.CopyAtom, mB_local: cute.Tensor,
                     tma_b_slots: cute.CopyAtom, mB_slots: cute.Tensor, mC: cute.Tensor,
-                    tile_table: cute.Tensor, mat_extent: cutlass.Int32,
-                    a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout):
+                    tile_table: cute.Tensor, a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout):
         ab_pipeline, sA, sB, _ = self.make_pipeline(a_smem_staged, b_smem_staged)
         num_items = rows_num_items(mC, tile_table)
         first_item, item_stride, warp_idx, tidx = persistent_cta()
@@ -211,7 +200,7 @@ class GroupedMatmul:
                                                         self.num_stages)
                 for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
                     kind, _, _, num_k_tiles, gA, gB_local, gB_slots, _ = self.rows_item(
-                        item, mA, mB_local, mB_slots, mC, tile_table, mat_extent)
+                        item, mA, mB_local, mB_slots, mC, tile_table)
                     if kind == KIND_SLOT:
                         producer = self.load(ab_pipeline, producer, tma_a, gA, sA, tma_b_slots,
                                              gB_slots, sB, num_k_tiles)
@@ -230,7 +219,7 @@ class GroupedMatmul:
                                                                           thread)
             for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
                 kind, row_start, row_end, num_k_tiles, _, _, _, n_tile = self.rows_item(
-                    item, mA, mB_local, mB_slots, mC, tile_table, mat_extent)
+                    item, mA, mB_local, mB_slots, mC, tile_table)
                 read, release = self.consume(ab_pipeline, read, release, tiled_mma, tCrA, tCrB,
                                              accumulators, sA, sB, num_k_tiles,
                                              num_k_tiles * TILE_K, row_end - row_start,
@@ -631,25 +620,25 @@ def _table():
 
 
 def compile_forward(options: str):
-    """`x [M, D0]`, stacked `w_* (D1, mats*D0)` N-major (row-major `[mats*D0, D1]` memory)."""
-    gemm = GroupedMatmul(ragged_k=False, stack_mode=STACK_ALONG_K)
+    """`x [M, D0]`, `w_* (D1, D0, mats)` N-major (row-major `[mats, D0, D1]` memory)."""
+    gemm = GroupedMatmul(ragged_k=False)
     x = _bf16((_dim(), _aligned_dim()), (1, 0))
-    w_local = _bf16((_aligned_dim(), _dim()), (0, 1))
-    w_slots = _bf16((_aligned_dim(), _dim()), (0, 1))
+    w_local = _bf16((_aligned_dim(), _aligned_dim(), _dim()), (0, 1, 2))
+    w_slots = _bf16((_aligned_dim(), _aligned_dim(), _dim()), (0, 1, 2))
     y = _bf16((_dim(), _aligned_dim()), (1, 0))
-    return cute.compile(gemm.rows, x, w_local, w_slots, y, _table(), cutlass.Int32(0),
-                        cutlass.Int32(1), make_fake_stream(), options=options)
+    return cute.compile(gemm.rows, x, w_local, w_slots, y, _table(), cutlass.Int32(1),
+                        make_fake_stream(), options=options)
 
 
 def compile_dx(options: str):
-    """`dy [M, D1]`, stacked `w_* (mats*D0, D1)` K-major (row-major memory)."""
-    gemm = GroupedMatmul(ragged_k=False, stack_mode=STACK_ALONG_N)
+    """`dy [M, D1]`, `w_* (D0, D1, mats)` K-major (row-major `[mats, D0, D1]` memory)."""
+    gemm = GroupedMatmul(ragged_k=False)
     dy = _bf16((_dim(), _aligned_dim()), (1, 0))
-    w_local = _bf16((_dim(), _aligned_dim()), (1, 0))
-    w_slots = _bf16((_dim(), _aligned_dim()), (1, 0))
+    w_local = _bf16((_aligned_dim(), _aligned_dim(), _dim()), (1, 0, 2))
+    w_slots = _bf16((_aligned_dim(), _aligned_dim(), _dim()), (1, 0, 2))
     dx = _bf16((_dim(), _aligned_dim()), (1, 0))
-    return cute.compile(gemm.rows, dy, w_local, w_slots, dx, _table(), cutlass.Int32(0),
-                        cutlass.Int32(1), make_fake_stream(), options=options)
+    return cute.compile(gemm.rows, dy, w_local, w_slots, dx, _table(), cutlass.Int32(1),
+                        make_fake_stream(), options=options)
 
 
 def compile_dw(options: str):
