@@ -421,6 +421,10 @@ NCU_CATEGORIES = (
     ("rest", r"."),
 )
 NCU_TIMEOUT_S = 300
+# --command-buffers: every command type XLA can capture, moonep's custom calls included (all its
+# FFI handlers are kCmdBufferCompatible), and graphs of any size.
+COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL "
+                        "--xla_gpu_graph_min_graph_size=1")
 
 
 def find_ncu() -> str | None:
@@ -630,7 +634,7 @@ def ncu_child(args) -> None:
 
 def main_one_gpu(args) -> None:
     shape = one_gpu_quick_shape() if args.quick else ONE_GPU
-    reps = args.reps if args.reps is not None else 5
+    reps = args.reps if args.reps is not None else 20
     tag = None
     ncu = None
     outs = [pathlib.Path(__file__).parent / "results"] + ([args.out] if args.out else [])
@@ -650,7 +654,8 @@ def main_one_gpu(args) -> None:
     devices = jax.devices()
     tag = ("".join(c if c.isalnum() else "_" for c in devices[0].device_kind) + "x1"
            if jax.default_backend() == "gpu" else "cpux1")
-    stem = f"bench_layer_{tag}_onegpu" + ("_quick" if args.quick else "")
+    stem = (f"bench_layer_{tag}_onegpu" + ("_command_buffers" if args.command_buffers else "")
+            + ("_quick" if args.quick else ""))
     tile_m = plan_tile_m()
     mesh, cfg, (x, topk_w, w_gate_up, w_down, d_out), step, forward = one_gpu_problem(
         shape, implementation)
@@ -667,6 +672,7 @@ def main_one_gpu(args) -> None:
               "timing": "median wall ms of reps calls of the compiled step after 2 warm-up calls, "
                         "each until ready",
               "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+              "xla_flags": os.environ.get("XLA_FLAGS"),
               "routing": ONE_GPU_ROUTING,
               "step": "jax.jit(jax.grad) of sum(out * d_out) (fp32) w.r.t. x, topk_w, w_gate_up, "
                       "w_down; forward = the same loss without grad",
@@ -863,7 +869,7 @@ def main():
     parser.add_argument("--out", type=pathlib.Path, default=None,
                         help="also write the JSON and PNG here (benchmarks/results always)")
     parser.add_argument("--reps", type=int, default=None,
-                        help="timed steps per point (3; --one-gpu 5)")
+                        help="timed steps per point (3; --one-gpu 20)")
     parser.add_argument("--skip", action="append", default=[], choices=sorted(METHOD_BUDGET_S),
                         help="methods not to run (recorded as skipped, with SKIP_REASONS' reason)")
     parser.add_argument("--one-gpu", action="store_true",
@@ -878,11 +884,18 @@ def main():
     parser.add_argument("--ncu-timeout", type=float, default=NCU_TIMEOUT_S,
                         help=f"seconds for the ncu run (default {NCU_TIMEOUT_S})")
     parser.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--command-buffers", action="store_true",
+                        help="with --one-gpu: XLA captures the step into CUDA graphs, the moonep "
+                             "custom calls included (COMMAND_BUFFER_FLAGS; the dense floor runs "
+                             "under the same flags); the record's name ends in _command_buffers")
     parser.add_argument("--processes", type=int, default=1,
                         help="one EP rank per process, N local processes (on GPU all sharing "
                              "GPU 0 under MPS: not NVLink figures) at PROCESS_SHAPE; times "
                              "moonep's fwd+bwd only")
     args = parser.parse_args()
+    if args.command_buffers:  # before the first jax.devices(): XLA reads its flags at start-up
+        os.environ["XLA_FLAGS"] = " ".join(
+            filter(None, [os.environ.get("XLA_FLAGS"), COMMAND_BUFFER_FLAGS]))
     if args.ncu_child:
         ncu_child(args)
         return
