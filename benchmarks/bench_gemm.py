@@ -185,7 +185,7 @@ def dw_call(gemm, R: int, epn: int, num_slots: int):
     moe_ffn's backward calls it: (bf16 local, fp32 partials, fp32 slots) with
     `(num_partials, num_slots) = (epn, B)` when R > 1, `(0, 0)` at R = 1, unused slots left
     unwritten (moonep_jax.experts.weight_grad_counts)."""
-    fn = cuda_gmm.grouped_matmul_dw_of_groups
+    fn = gemm.grouped_matmul_dw_of_groups
     partials, slots = (epn, num_slots) if R > 1 else (0, 0)
 
     def call(x, dy, cu, rank, experts_to_copy):
@@ -250,20 +250,20 @@ class XlaStandIns:
                                 sizes[E_:]]).astype(jnp.int32)
 
     @classmethod
-    def grouped_matmul(cls, x, w_local, w_slots, cu, rank):
+    def grouped_matmul_of_groups(cls, x, w_local, w_slots, cu, rank):
         epn = w_local.shape[0]
         return jax.lax.ragged_dot(x, jnp.concatenate([w_local, w_slots]),
                                   cls._sizes(cu, rank, cu.shape[0] - w_slots.shape[0], epn))
 
     @classmethod
-    def grouped_matmul_dx(cls, dy, w_local, w_slots, cu, rank):
+    def grouped_matmul_dx_of_groups(cls, dy, w_local, w_slots, cu, rank):
         w = jnp.concatenate([w_local, w_slots]).transpose(0, 2, 1)
         return jax.lax.ragged_dot(dy, w, cls._sizes(cu, rank, cu.shape[0] - w_slots.shape[0],
                                                     w_local.shape[0]))
 
     @classmethod
-    def grouped_matmul_dw(cls, x, dy, cu, rank, experts_to_copy, num_local, num_partials,
-                          num_slots, *, zero_unused_slots=True):
+    def grouped_matmul_dw_of_groups(cls, x, dy, cu, rank, experts_to_copy, num_local,
+                                    num_partials, num_slots, *, zero_unused_slots=True):
         del zero_unused_slots
         all_slots = experts_to_copy.shape[1]
         sizes = cls._sizes(cu, rank, cu.shape[0] - all_slots, num_local)
@@ -367,12 +367,12 @@ def main():
     if args.cpu_smoke:
         gemm, (mgpu, mgpu_missing) = XlaStandIns, (MgpuStandIn, None)
     else:
-        from moonep_jax._cuda import grouped_matmul as cuda_gmm
+        from moonep_jax._cuda import grouped_matmul as gemm
 
         mgpu, mgpu_missing = mgpu_module()
     if args.no_mgpu:
         mgpu, mgpu_missing = None, "left out (--no-mgpu)"
-    tile_m = cuda_gmm.tile_m()
+    tile_m = gemm.tile_m()
 
     t_plan = time.perf_counter()
     if args.groupings:
@@ -449,8 +449,8 @@ def main():
                     results.append(r)
                     dense[kind] = r.get("tflops")
                 del w
-            fwd = jax.jit(cuda_gmm.grouped_matmul_of_groups)
-            dx = jax.jit(cuda_gmm.grouped_matmul_dx_of_groups)
+            fwd = jax.jit(gemm.grouped_matmul_of_groups)
+            dx = jax.jit(gemm.grouped_matmul_dx_of_groups)
             dws = {}
             for g in layout:
                 R = g["R"]

@@ -1,0 +1,32 @@
+"""`bench_gemm --cpu-smoke` runs end to end on CPU: the grouped GEMM's three calls (XLA
+stand-ins with the extension's signatures) on every grouping of both projections, next to the
+dense references, so that a rename in the extension cannot leave the GPU benchmark broken."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+pytestmark = pytest.mark.slow  # plans every grouping and compiles ~40 tiny GEMMs (~40 s)
+
+
+def test_bench_gemm_cpu_smoke_times_every_call(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_gemm.py"), "--cpu-smoke",
+                           "--no-mgpu", "--out", str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob("bench_gemm_cpux*_cpusmoke.json")
+    record = json.loads(path.read_text())
+    timed = {r["name"] for r in record["records"] if r.get("median_ms", 0) > 0}
+    for proj in ("gate_up", "down"):
+        for call in ("dense_fwd", "dense_dx", "dense_dw_bf16", "moonep_fwd", "moonep_dx",
+                     "moonep_dw"):
+            assert f"{proj}/{call}" in timed
+        assert any(key.startswith(f"{proj}/R") for key in record["dw"])
