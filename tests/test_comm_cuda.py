@@ -410,8 +410,8 @@ def test_prefetch_of_several_arrays_in_one_call_bitwise_equal_to_xla(mesh, seed,
     _poison_allocator(mesh, 2 * sum(w.nbytes for w in w_locals) // R)
     slots, experts_to_copy = _per_rank(per_rank, mesh)(topk_idx, *w_locals)
     experts_to_copy = np.asarray(experts_to_copy)[0]  # the full table, the same on every rank
-    used = experts_to_copy >= 0
-    assert used.any() and (~used).any(), "the routing must use some slots and leave some unused"
+    used = experts_to_copy >= 0  # R = 1: no other rank's experts, every slot unused
+    assert (R == 1 or used.any()) and (~used).any(), "the routing must use some slots, not all"
     for w, w_local in enumerate(w_locals):
         cuda, xla = np.asarray(slots["cuda"][w]), np.asarray(slots["xla"][w])
         assert cuda.dtype == w_local.dtype and cuda.shape == (R, cfgs["xla"].num_slots,
@@ -422,6 +422,43 @@ def test_prefetch_of_several_arrays_in_one_call_bitwise_equal_to_xla(mesh, seed,
             np.testing.assert_array_equal(as_bits(cuda), as_bits(xla), err_msg=f"array {w}")
         np.testing.assert_array_equal(as_bits(cuda[used]), as_bits(xla[used]), err_msg=f"array {w}")
         np.testing.assert_array_equal(as_bits(cuda[used]), as_bits(w_local[experts_to_copy[used]]))
+
+
+@pytest.mark.parametrize("bad", ["E", -2])
+def test_prefetch_skips_and_reports_a_slot_naming_no_expert(mesh, seed, bad):
+    """A slot whose expert lies outside [-1, E) is never read through: with two arrays in one
+    call it comes out zero (into poisoned buffers) like an unused slot, every other slot exact,
+    and the host reads it as bad plan data at `check_transport_errors()`."""
+    from moonep_jax import _xla
+    from moonep_jax._cuda import ops as cuda_ops
+
+    R = mesh.devices.size
+    cfgs = _configs(R)
+    bad = cfgs["xla"].num_experts if bad == "E" else bad
+    rng = np.random.default_rng(seed)
+    topk_idx = _routing(seed, R, 10.0, cfgs["xla"])
+    w_locals = (rng.standard_normal((R * cfgs["xla"].epn, 24, 40)).astype(jnp.bfloat16),
+                rng.standard_normal((R * cfgs["xla"].epn, 3, 7)).astype(jnp.float32))
+
+    def per_rank(topk_idx, *w_locals):
+        p = plan(topk_idx, cfgs["xla"])
+        with_slot0 = lambda e: dataclasses.replace(  # noqa: E731
+            p, experts_to_copy=p.experts_to_copy.at[:, 0].set(e))
+        return _stack((cuda_ops.prefetch(w_locals, with_slot0(bad), cfgs["cuda"]),
+                       _xla.prefetch(w_locals, with_slot0(-1), cfgs["xla"])))
+
+    moonep_jax.check_transport_errors()  # nothing left over from other tests
+    _poison_allocator(mesh, 2 * sum(w.nbytes for w in w_locals) // R)
+    got, want = _per_rank(per_rank, mesh)(topk_idx, *w_locals)
+    for g, w in zip(got, want):
+        g, w = np.asarray(g), np.asarray(w)
+        assert not np.any(w[:, 0])  # the bad slot: zero
+        np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
+    with pytest.raises(moonep_jax.TransportError,
+                       match=r"bad plan data at EP rank \d+, epoch \d+: plan\.experts_to_copy "
+                             rf"names an expert.*\(value {bad}\)"):
+        moonep_jax.check_transport_errors()
+    moonep_jax.check_transport_errors()  # cleared by the read
 
 
 def _reduce_grad_case(mesh, seed: int, maxvio: float):
