@@ -1,4 +1,4 @@
-"""Plan, dispatch and combine time against the routing skew (maxvio), with XLA baselines.
+"""Plan, dispatch, combine and prefetch time against the routing skew (maxvio), with XLA baselines.
 
 Shape of record (DESIGN §10): S=8192, H=7168, K=8, E=384, bf16, EP = every local device. For each
 maxvio in 0.2, 1, 10, 20 (routing from `moonep_jax.routing.lognormal_for_maxvio`), in one process
@@ -11,6 +11,12 @@ and on the same routing:
   ragged_a2a       `lax.ragged_all_to_all` (MaxText's path) into a worst-case [R*S*K, H] buffer,
                    dispatch direction only; guarded by a watchdog (its NCCL fallback can hang)
 
+prefetch (moonep_cuda only, R > 1: with one rank no slot can be used) is moe_ffn's: both
+projections' replica slots (w_gate_up [epn, H, 2F] and w_down [epn, F, H], F=2048, bf16) in ONE
+call (one rendezvous, one bulk-copy kernel), unused slots left unwritten. Its bytes (`hbm_bytes`):
+each used slot's expert of both projections read (from its home rank) and written once, plus the
+slot table; `replicas` gives the used slots per rank.
+
 Each time is a loop of `--iters` calls inside one jitted shard_map, divided by the count (each
 call's output feeds a one-row update of the next call's input, so nothing is hoisted), median of
 `--reps` runs after a warm-up. Bandwidth is reported three ways per rank (the slowest rank):
@@ -21,12 +27,14 @@ Writes `<out>/bench_dispatch_<gpu>x<count>.json` (and a PNG plot when matplotlib
 `--quick` runs a tiny shape (CPU smoke test; on CPU only the xla path and all_to_all run).
 
 `--processes N` runs one EP rank per process (benchmarks/_processes.py): N local processes, on a
-GPU host all sharing GPU 0 under MPS, at maxvio 1 and 20 and the same shape. Only the CUDA ops are
-timed (XLA's NCCL collectives refuse two ranks on one GPU: the baselines are recorded as skipped;
-on CPU the xla ops stand in, a harness check); each rank times its own calls, process 0 writes
-`bench_dispatch_<gpu>x1_<N>proc_mps.json` with every rank's times, the max over ranks, and per op
-the bytes each rank's kernels read and write (`hbm_bytes`) with the implied GB/s. On one GPU
-these are NOT NVLink figures: all ranks share its SMs and HBM, and the link is HBM.
+GPU host all sharing GPU 0 under MPS, at maxvio 1 and 20 and the same shape. Only the CUDA ops
+(prefetch included) are timed (XLA's NCCL collectives refuse two ranks on one GPU: the baselines
+are recorded as skipped; on CPU the xla ops stand in, a harness check); each rank times its own
+calls, process 0 writes `bench_dispatch_<gpu>x1_<N>proc_mps.json` with every rank's times, the max
+over ranks, and per op the bytes each rank's kernels read and write (`hbm_bytes`) with the implied
+GB/s. On one GPU
+these are NOT NVLink figures: all ranks share its SMs and HBM, and the link is HBM (prefetch's
+`hbm_gbps_all_ranks` is then the GPU's HBM read + write rate of the replica copies).
 
     python benchmarks/bench_dispatch.py [--quick] [--out DIR] [--iters N] [--reps N]
     python benchmarks/bench_dispatch.py --processes N [--quick] [--out DIR] [--iters N] [--reps N]
@@ -48,7 +56,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import moonep_jax
-from moonep_jax import _ffi, routing
+from moonep_jax import _checks, _ffi, routing
 from moonep_jax.combine import combine
 from moonep_jax.dispatch import decode_dst, dispatch
 from moonep_jax.plan import plan
@@ -69,18 +77,19 @@ class Shape:
     H: int
     K: int
     E: int
+    F: int  # ffn hidden of the prefetched weights
 
 
-RECORD = Shape(S=8192, H=7168, K=8, E=384)
+RECORD = Shape(S=8192, H=7168, K=8, E=384, F=2048)
 
 
 def quick_shape(R: int) -> Shape:
-    return Shape(S=256, H=512, K=4, E=16 * R)
+    return Shape(S=256, H=512, K=4, E=16 * R, F=64)
 
 
 def config(shape: Shape, R: int, implementation: str, **options) -> moonep_jax.EPConfig:
     return moonep_jax.EPConfig(num_experts=shape.E, top_k=shape.K, tokens_per_rank=shape.S,
-                               hidden=shape.H, ffn_hidden=2048, num_ranks=R,
+                               hidden=shape.H, ffn_hidden=shape.F, num_ranks=R,
                                implementation=implementation, **options)
 
 
@@ -128,6 +137,36 @@ def moonep_steps(cfg: moonep_jax.EPConfig):
         return feed_back(y, combine(y, p, cfg))
 
     return plan_step, dispatch_step, combine_step
+
+
+def prefetch_step(cfg: moonep_jax.EPConfig):
+    """moe_ffn's forward prefetch: both projections in one call, used slots only. The carry is a
+    one-element token from the previous call's slots, on which this call's slot table depends
+    without changing: so the call is not hoisted out of the loop, and the weights stay loop
+    constants (carrying them would copy tens of GB per loop)."""
+    impl = _checks.implementation(cfg)
+
+    def step(token, weights, p):
+        table = jnp.where(token[0] == -7.0, -1, p.experts_to_copy)
+        slots = impl.prefetch(weights, dataclasses.replace(p, experts_to_copy=table), cfg,
+                              zero_unused_slots=False)
+        return sum(s[:1, 0, 0].astype(jnp.float32) for s in slots)
+
+    return step
+
+
+def draw_weights(key, cfg: moonep_jax.EPConfig, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """`(w_gate_up [n, H, 2F], w_down [n, F, H])` bf16, drawn on the device (the record shape's
+    weights are tens of GB: a host draw would take minutes)."""
+    k1, k2 = jax.random.split(key)
+    H, F = cfg.hidden, cfg.ffn_hidden
+    return (jax.random.normal(k1, (num_experts, H, 2 * F), jnp.bfloat16),
+            jax.random.normal(k2, (num_experts, F, H), jnp.bfloat16))
+
+
+def expert_bytes(cfg: moonep_jax.EPConfig) -> int:
+    """Bytes of one expert of both projections (bf16): what prefetch copies per used slot."""
+    return 2 * (cfg.hidden * 2 * cfg.ffn_hidden + cfg.ffn_hidden * cfg.hidden)
 
 
 # ---- baselines ----------------------------------------------------------------------------------
@@ -209,6 +248,12 @@ def traffic(dst: np.ndarray, cfg: moonep_jax.EPConfig, ranks=None) -> dict:
             "entries_to": to_rank(valid), "primaries_to": to_rank(primary)}
 
 
+def replicas(experts_to_copy: np.ndarray, ranks) -> list[int]:
+    """Used replica slots of each of `ranks`, from their copies of the full `[R, B]` slot table
+    (`experts_to_copy [len(ranks), R, B]`)."""
+    return [int((table[r] >= 0).sum()) for table, r in zip(experts_to_copy, ranks)]
+
+
 def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: int) -> dict:
     """Per op and rank, the bytes its kernels read and write, from `traffic` of all R ranks:
     row data, route weights and the plan arrays the data kernels read (not the barriers'
@@ -222,7 +267,9 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
     and, when its primary is pulled, its own recv_src and recv_primary again. The link carries
     one row per (token, remote rank): `dedup_remote_rows`. combine: every valid entry's row is
     read from the rank that holds it, one [S, H] output written. plan: topk_idx in and the Plan
-    out only (its histogram exchange is not counted)."""
+    out only (its histogram exchange is not counted). prefetch (when `rows` has `replicas`): each
+    used slot's expert of both projections read from its home and written once, and the rank's
+    row of the slot table read."""
     N, nvs, S, K = cfg.num_entries, cfg.nvs, cfg.tokens_per_rank, cfg.top_k
     entries = np.array(rows["entries"])
     received = np.sum(rows["entries_to"], axis=0)           # receive rows owned, per rank
@@ -230,7 +277,7 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
     duplicates = received - pulled
     R = len(entries)
     per_rank = lambda v: (np.broadcast_to(v, (R,)).astype(int)).tolist()  # noqa: E731
-    return {
+    moved = {
         "plan": {"read": per_rank(N * 4), "written": per_rank(plan_bytes)},
         "dispatch": {"read": per_rank(pulled * (row_bytes + K * 8) + received * 4
                                       + duplicates * 20 + nvs * 8 + N * 4),
@@ -238,6 +285,11 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
         "combine": {"read": per_rank(entries * row_bytes + N * 4),
                     "written": per_rank(S * row_bytes)},
     }
+    if "replicas" in rows:
+        copied = np.array(rows["replicas"]) * expert_bytes(cfg)
+        moved["prefetch"] = {"read": per_rank(copied + cfg.num_slots * 4),
+                             "written": per_rank(copied)}
+    return moved
 
 
 def hbm_rates(moved: dict, times_ms: list[float]) -> dict:
@@ -307,6 +359,9 @@ def run_point(mesh, cfgs: dict, maxvio: float, args, methods: list[str], on_poin
     topk_idx = jax.device_put(topk_idx, sharding)
     p = per_rank(lambda idx: plan(idx, cfg), mesh)(topk_idx)  # every leaf stacked over ranks
     rows = traffic(np.asarray(p.dst).reshape(R, -1), cfg)
+    timing_prefetch = "moonep_cuda" in methods and cfg.replicas_possible
+    if timing_prefetch:
+        rows["replicas"] = replicas(np.asarray(p.experts_to_copy).reshape(R, R, -1), range(R))
     row_bytes = H * 2
     moved = hbm_bytes(rows, cfg, row_bytes, plan_bytes_per_rank(p, R))
     point = {"maxvio_target": maxvio, "maxvio_measured": realised, "sigma": sigma, **rows,
@@ -315,7 +370,7 @@ def run_point(mesh, cfgs: dict, maxvio: float, args, methods: list[str], on_poin
 
     def add(op: str, result: dict):
         result["op"] = op
-        if result["status"] == "ok" and op != "plan":
+        if result["status"] == "ok" and op in ("dispatch", "combine"):
             result.update(bandwidths(result["median_ms"], row_bytes, cfg, rows))
         if result["status"] == "ok" and result["method"].startswith("moonep"):
             result.update(hbm_rates(moved[op], [result["median_ms"]] * R))
@@ -333,6 +388,12 @@ def run_point(mesh, cfgs: dict, maxvio: float, args, methods: list[str], on_poin
         add("plan", timed(name, looped(plan_step, mesh, it), (topk_idx,), it, reps))
         add("dispatch", timed(name, looped(dispatch_step, mesh, it), (x, topk_w, p), it, reps))
         add("combine", timed(name, looped(combine_step, mesh, it), (y, p), it, reps))
+    if timing_prefetch:
+        weights = global_weights(mesh, cfgs["cuda"])
+        token = jax.device_put(np.zeros(R, np.float32), sharding)
+        add("prefetch", timed("moonep_cuda", looped(prefetch_step(cfgs["cuda"]), mesh, it),
+                              (token, weights, p), it, reps))
+        del weights
     if "all_to_all_pad" in methods:
         a2a_dispatch, a2a_combine = all_to_all_steps(cfg)
         y_pad = jax.device_put(np.zeros((R * R, cfg.num_entries, H), jnp.bfloat16), sharding)
@@ -346,6 +407,14 @@ def run_point(mesh, cfgs: dict, maxvio: float, args, methods: list[str], on_poin
             "ragged_a2a", lambda: timed("ragged_a2a", looped(ragged_dispatch_step(cfg), mesh, 1),
                                         (x, topk_idx), 1, min(reps, 3)), on_point, point))
     return point
+
+
+def global_weights(mesh, cfg: moonep_jax.EPConfig) -> tuple[jax.Array, jax.Array]:
+    """Both projections' weights of all E experts, split over "ep", drawn on the devices."""
+    split = jax.NamedSharding(mesh, P("ep"))
+    draw = jax.jit(lambda key: draw_weights(key, cfg, cfg.num_experts),
+                   out_shardings=(split, split))
+    return draw(jax.random.key(4321))
 
 
 def run_with_watchdog(name: str, fn, on_point, point) -> dict:
@@ -373,8 +442,10 @@ def plot(record: dict, path: pathlib.Path) -> None:
     plt = _common.pyplot()
     if plt is None:
         return
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, op in zip(axes, ("plan", "dispatch", "combine")):
+    timed_ops = [op for op in OPS if any(r["op"] == op and r["status"] == "ok"
+                                         for point in record["points"] for r in point["results"])]
+    fig, axes = plt.subplots(1, len(timed_ops), figsize=(5 * len(timed_ops), 4.5), squeeze=False)
+    for ax, op in zip(axes[0], timed_ops):
         _common.plot_vs_maxvio(ax, record["points"], lambda r, op=op: r["op"] == op,
                                "ms per call", op)
     fig.suptitle(f"{record['device_kind']} x{record['num_devices']}, {record['shape']}")
@@ -384,20 +455,20 @@ def plot(record: dict, path: pathlib.Path) -> None:
 
 # ---- --processes N: one EP rank per process ----------------------------------------------------
 
-OPS = ("plan", "dispatch", "combine")
+OPS = ("plan", "dispatch", "combine", "prefetch")
 
 
 def run_ranks(args) -> None:
     """One EP rank of `--processes N` (every process of the launched job runs this): plan,
-    dispatch and combine of the CUDA ops (xla on CPU) timed on this rank at each maxvio; process 0
-    gathers every rank's times and traffic and writes the record after each point."""
+    dispatch, combine and prefetch of the CUDA ops (xla on CPU) timed on this rank at each maxvio;
+    process 0 gathers every rank's times and traffic and writes the record after each point."""
     mesh = _processes.ep_mesh()
     R, rank, first = mesh.size, _processes.my_rank(mesh), jax.process_index() == 0
     impl = _processes.implementation()
     shape = quick_shape(R) if args.quick else RECORD
     cfg = config(shape, R, impl, cuda=_processes.cuda_options())
     method, skipped = f"moonep_{impl}", _processes.skipped_methods(("all_to_all_pad", "ragged_a2a"))
-    steps = dict(zip(OPS, moonep_steps(cfg)))
+    steps = dict(zip(OPS, (*moonep_steps(cfg), prefetch_step(cfg))))
     loops = {op: looped(step, mesh, args.iters) for op, step in steps.items()}
     planner, compiled = per_rank(lambda idx: plan(idx, cfg), mesh), {}  # compiled once
     barrier = _processes.barrier("bench_dispatch")
@@ -414,6 +485,8 @@ def run_ranks(args) -> None:
         print(f"bench_dispatch --processes {R}: {record['process_layout']}, shape {shape}, "
               f"{impl}\n  NOTE: {record['timing_note']}", flush=True)
     x, topk_w, y = _processes.draw_on_rank(mesh, rank, lambda key: rank_payloads(key, cfg))
+    weights = _processes.draw_on_rank(mesh, rank, lambda key: draw_weights(key, cfg, cfg.epn))
+    token = _processes.put(mesh, np.zeros(R, np.float32))
     for i, maxvio in enumerate(args.maxvios):
         topk_idx, sigma, realised = global_routing(cfg, maxvio)
         topk_idx = _processes.put(mesh, topk_idx)
@@ -421,7 +494,9 @@ def run_ranks(args) -> None:
             compiled["planner"] = _processes.compiled_together(planner, (topk_idx,), barrier)
         p = compiled["planner"](topk_idx)
         mine = {"rank": rank, "traffic": traffic(_processes.local(p.dst)[None], cfg, [rank])}
-        op_args = {"plan": (topk_idx,), "dispatch": (x, topk_w, p), "combine": (y, p)}
+        mine["traffic"]["replicas"] = replicas(_processes.local(p.experts_to_copy)[None], [rank])
+        op_args = {"plan": (topk_idx,), "dispatch": (x, topk_w, p), "combine": (y, p),
+                   "prefetch": (token, weights, p)}
         for op in OPS:
             if op not in compiled:
                 compiled[op] = _processes.compiled_together(loops[op], op_args[op], barrier)
@@ -441,7 +516,7 @@ def run_ranks(args) -> None:
                               for one in everyone]
             result = {"method": method, "op": op, "status": "ok",
                       **_processes.across_ranks(per_rank_times)}
-            if op != "plan":
+            if op in ("dispatch", "combine"):
                 result.update(bandwidths(result["median_ms"], row_bytes, cfg, rows))
             result.update(hbm_rates(moved[op], result["median_ms_per_rank"]))
             point["results"].append(result)

@@ -22,8 +22,9 @@ Reported per point: wall time per step (median of --reps after a warm-up, `block
 memory per device from the compiled executable's `memory_analysis()` (argument + output + temp
 bytes; `peak_bytes_in_use` cannot be reset between methods in one process); and the prefetch
 bandwidth of the moonep plan (bytes of the slowest rank's planned replica weights, gate_up and
-down, over the time of a jitted shard_map of the two prefetches alone), both as moe_ffn prefetches
-(unused slots left unwritten) and as the public `prefetch` (unused slots zeroed).
+down, over the time of a jitted shard_map of the prefetches alone), both as moe_ffn prefetches (both
+projections in one call, unused slots left unwritten) and as the public `prefetch` (one call per
+projection, unused slots zeroed).
 
 Writes `<out>/bench_layer_<gpu>x<count>.json` and `.png` (`benchmarks/results` by default).
 `--quick` runs a tiny shape (CPU smoke test: there the CUDA GEMM of a2a_pad_gmm is replaced by
@@ -350,21 +351,26 @@ class Method:
 
 
 def prefetch_bandwidth(mesh, cfg, shape: Shape, topk_idx, w_gate_up, w_down, reps: int) -> dict:
-    """Planned replica bytes of the slowest rank over the time of the two prefetches alone, as
-    moe_ffn runs them (unused slots left unwritten) and as the public `prefetch` does (unused
-    slots zeroed: B = epn slots of writes however few replicas the plan has)."""
+    """Planned replica bytes of the slowest rank (both projections) over the time of the
+    prefetches alone, as moe_ffn's forward runs them (one call, unused slots left unwritten) and
+    as the public `prefetch` does (one call per projection, unused slots zeroed: B = epn slots of
+    writes however few replicas the plan has)."""
     stacked = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     plans = jax.jit(stacked(lambda idx: plan(idx, cfg)))(topk_idx)
     slots = np.asarray(plans.experts_to_copy).reshape(cfg.num_ranks, cfg.num_ranks, -1)
     used = np.array([(slots[r, r] >= 0).sum() for r in range(cfg.num_ranks)])
     expert_bytes = 2 * (shape.H * 2 * shape.F + shape.F * shape.H)
-    layer_prefetch = functools.partial(_checks.implementation(cfg).prefetch, cfg=cfg,
-                                       zero_unused_slots=False)  # what moe_ffn calls
+    impl = _checks.implementation(cfg)
     result = {"replicas_per_rank": used.tolist(),
               "bytes_slowest_rank": int(used.max() * expert_bytes)}
-    for name, fn in (("layer", layer_prefetch),
-                     ("zero_unused", lambda w, p: prefetch(w, p, cfg))):
-        both = jax.jit(stacked(lambda wg, wd, p, fn=fn: (fn(wg, p), fn(wd, p))))
+    both_ways = {  # (w_gate_up, w_down, plan) -> both projections' slots
+        # what moe_ffn's forward calls: both projections in one prefetch, used slots only
+        "layer": lambda wg, wd, p: impl.prefetch((wg, wd), p, cfg, zero_unused_slots=False),
+        # the public op, one projection per call
+        "zero_unused": lambda wg, wd, p: (prefetch(wg, p, cfg), prefetch(wd, p, cfg)),
+    }
+    for name, fn in both_ways.items():
+        both = jax.jit(stacked(fn))
         times = _common.time_calls(both, (w_gate_up, w_down, plans), reps)
         median = float(np.median(times))
         result[name] = {"times_ms": times, "median_ms": median,

@@ -4,15 +4,12 @@ namespace moonep {
 namespace {
 
 // One CTA of one warp: the barrier needs a thread per rank.
-__global__ void entry_rendezvous_kernel(GroupView g, int op_slot, const void* address0,
-                                        const void* address1, const void* address2) {
+__global__ void entry_rendezvous_kernel(GroupView g, int op_slot, PublishedAddresses addresses) {
   __shared__ uint32_t epoch;
   if (threadIdx.x == 0) {
     epoch = next_epoch(g, op_slot);
-    const void* const addresses[] = {address0, address1, address2};
-    static_assert(sizeof(addresses) / sizeof(addresses[0]) <= kMailboxesPerOp);
-    for (int i = 0; i < int(sizeof(addresses) / sizeof(addresses[0])); ++i) {
-      if (addresses[i] != nullptr) publish(g, mailbox_slot(op_slot, i), addresses[i]);
+    for (int i = 0; i < kMailboxesPerOp; ++i) {
+      if (addresses.address[i] != nullptr) publish(g, mailbox_slot(op_slot, i), addresses.address[i]);
     }
   }
   __syncthreads();
@@ -33,10 +30,9 @@ __global__ void exit_rendezvous_kernel(GroupView g, int op_slot) {
 
 }  // namespace
 
-cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot, const void* address0,
-                                    const void* address1, const void* address2,
-                                    cudaStream_t stream) {
-  entry_rendezvous_kernel<<<1, 32, 0, stream>>>(group, op_slot, address0, address1, address2);
+cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot,
+                                    const PublishedAddresses& addresses, cudaStream_t stream) {
+  entry_rendezvous_kernel<<<1, 32, 0, stream>>>(group, op_slot, addresses);
   return cudaGetLastError();
 }
 

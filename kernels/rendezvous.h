@@ -52,15 +52,27 @@ const void* as_symbol(Kernel* kernel) {
   return reinterpret_cast<const void*>(kernel);
 }
 
-// Rendezvous of a zero-copy op `op_slot` (an OpSlot). Entry: advance the op's epoch, publish up
-// to three buffer addresses into the op's mailbox slots 0, 1 and 2 (nullptr: not published),
-// barrier (the op's barrier slot 0); afterwards every peer's addresses are readable with
+// The buffer addresses one call of a zero-copy op publishes, one per mailbox slot of the op;
+// nullptr: not published. Bounded by the op's kMailboxesPerOp slots.
+struct PublishedAddresses {
+  const void* address[kMailboxesPerOp];
+};
+
+// Rendezvous of a zero-copy op `op_slot` (an OpSlot). Entry: advance the op's epoch, publish
+// `addresses.address[i]` into the op's mailbox slot i (i < kMailboxesPerOp), barrier (the op's
+// barrier slot 0); afterwards every peer's addresses are readable with
 // `peer_address(g, mailbox_slot(op_slot, i), peer)` (translated into this process's mapping of
 // a peer process's pool). Exit: barrier (slot 1), so that no buffer is released or reused while
 // a peer still reads or writes it. Defined in kernels/rendezvous.cu.
-cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot, const void* address0,
-                                    const void* address1, const void* address2,
-                                    cudaStream_t stream);
+cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot,
+                                    const PublishedAddresses& addresses, cudaStream_t stream);
+// The ops that publish up to three addresses, into mailbox slots 0, 1 and 2.
+inline cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot,
+                                           const void* address0, const void* address1,
+                                           const void* address2, cudaStream_t stream) {
+  return launch_entry_rendezvous(group, op_slot, PublishedAddresses{{address0, address1, address2}},
+                                 stream);
+}
 inline cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot,
                                            const void* address0, const void* address1,
                                            cudaStream_t stream) {

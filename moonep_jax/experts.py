@@ -77,7 +77,8 @@ def prefetch(w_local: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _prefetch(w_local, plan, cfg):
-    return _checks.implementation(cfg).prefetch(w_local, plan, cfg)
+    (w_slots,) = _checks.implementation(cfg).prefetch((w_local,), plan, cfg)
+    return w_slots
 
 
 def _prefetch_fwd(w_local, plan, cfg):
@@ -93,15 +94,22 @@ def _prefetch_bwd(cfg, plan, d_slots):
 _prefetch.defvjp(_prefetch_fwd, _prefetch_bwd)
 
 
-def _prefetch_xla(w_local: jax.Array, plan: Plan, cfg: EPConfig, *,
-                  zero_unused_slots: bool = True) -> jax.Array:
-    """Reference prefetch: all-gather every expert, take this rank's slot experts (unused slots
-    are always zero, which also satisfies `zero_unused_slots=False`: "unspecified")."""
+def _prefetch_xla(w_locals: tuple[jax.Array, ...], plan: Plan, cfg: EPConfig, *,
+                  zero_unused_slots: bool = True) -> tuple[jax.Array, ...]:
+    """Reference prefetch, per weight array: all-gather every expert, take this rank's slot
+    experts (unused slots are always zero, which also satisfies `zero_unused_slots=False`:
+    "unspecified")."""
     del zero_unused_slots
-    every_expert = lax.all_gather(w_local, cfg.axis_name, tiled=True)  # [E, D0, D1]
     slot_expert = plan.experts_to_copy[lax.axis_index(cfg.axis_name)]  # [B]
-    used = (slot_expert >= 0)[:, None, None]
-    return jnp.where(used, every_expert[jnp.maximum(slot_expert, 0)], jnp.zeros((), w_local.dtype))
+    used = slot_expert >= 0
+
+    def slots_of(w_local):
+        every_expert = lax.all_gather(w_local, cfg.axis_name, tiled=True)  # [E, ...]
+        mask = used.reshape((-1,) + (1,) * (w_local.ndim - 1))
+        return jnp.where(mask, every_expert[jnp.maximum(slot_expert, 0)],
+                         jnp.zeros((), w_local.dtype))
+
+    return tuple(slots_of(w_local) for w_local in w_locals)
 
 
 # ---- reduce_grad --------------------------------------------------------------------------------

@@ -113,13 +113,14 @@ def _moe_ffn(x, topk_w, w_gate_up, w_down, plan, cfg):
 
 
 def _slot_prefetch(plan: Plan, cfg: EPConfig):
-    """`w -> w_slots` of this plan, used slots only. With R = 1 no slot is ever used (no other
-    rank's experts exist), so nothing is copied: `w` itself (its first B matrices) stands in for
-    the slots, whose groups are empty, and with B = epn no slot memory is allocated."""
+    """`(w, ...) -> (w_slots, ...)` of this plan, used slots only, every array in one backend
+    call. With R = 1 no slot is ever used (no other rank's experts exist), so nothing is copied:
+    each `w` itself (its first B matrices) stands in for its slots, whose groups are empty, and
+    with B = epn no slot memory is allocated."""
     if not cfg.replicas_possible:
-        return lambda w: w[:cfg.num_slots]
+        return lambda *ws: tuple(w[:cfg.num_slots] for w in ws)
     impl = _checks.implementation(cfg)
-    return lambda w: impl.prefetch(w, plan, cfg, **_USED_SLOTS_ONLY)
+    return lambda *ws: impl.prefetch(ws, plan, cfg, **_USED_SLOTS_ONLY)
 
 
 def _forward(x, topk_w, w_gate_up, w_down, plan: Plan, cfg: EPConfig):
@@ -127,8 +128,7 @@ def _forward(x, topk_w, w_gate_up, w_down, plan: Plan, cfg: EPConfig):
     impl = _checks.implementation(cfg)
     prefetch = _slot_prefetch(plan, cfg)
     recv_x, recv_w = impl.dispatch(x, topk_w, plan, cfg)
-    slots_gate_up = prefetch(w_gate_up)
-    slots_down = prefetch(w_down)
+    slots_gate_up, slots_down = prefetch(w_gate_up, w_down)  # one call: one rendezvous
     h = impl.grouped_matmul(recv_x, w_gate_up, slots_gate_up, plan, cfg)   # [NvS, 2F]
     y = impl.grouped_matmul(_swiglu(h), w_down, slots_down, plan, cfg)     # [NvS, H]
     out = impl.combine(_scale_rows(y, recv_w), plan, cfg)
@@ -168,13 +168,15 @@ def _moe_ffn_bwd(cfg, residuals, d_out):
 
     # Each re-prefetch is tied to a backward value so XLA can neither CSE it with the forward's
     # prefetch (that would keep the slots alive as a residual) nor hoist it into the forward.
+    # One projection per call here, unlike the forward: each projection's slots live only while
+    # its own dX GEMM runs, which keeps the backward's peak memory down.
     w_down, d_y = lax.optimization_barrier((w_down, d_y))
-    slots_down = prefetch(w_down)
+    (slots_down,) = prefetch(w_down)
     d_act = impl.grouped_matmul_dx(d_y, w_down, slots_down, plan, cfg)        # [NvS, F]
     d_w_down = _weight_grad(_swiglu(h), d_y, plan, cfg)
     d_h = _swiglu_grad(h, d_act)                                    # [NvS, 2F]
     w_gate_up, d_h = lax.optimization_barrier((w_gate_up, d_h))
-    slots_gate_up = prefetch(w_gate_up)
+    (slots_gate_up,) = prefetch(w_gate_up)
     d_recv_x = impl.grouped_matmul_dx(d_h, w_gate_up, slots_gate_up, plan, cfg)
     d_w_gate_up = _weight_grad(recv_x, d_h, plan, cfg)
 

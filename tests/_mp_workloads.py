@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import moonep_jax
-from moonep_jax import launch, routing
+from moonep_jax import _checks, launch, routing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,10 +122,14 @@ def _compiled(impl: str, backend: str, sizes: Sizes, grads: bool, timeout_s: flo
         out = moonep_jax.combine(y, p, cfg)
         slots = moonep_jax.prefetch(w_gate_up, p, cfg)
         matmul = moonep_jax.grouped_matmul(recv_x, w_gate_up, slots, p, cfg)
+        # Both projections in one backend call, as moe_ffn's forward runs them (unused slots
+        # zeroed here, so that every slot is compared).
+        both_gate_up, both_down = _checks.implementation(cfg).prefetch((w_gate_up, w_down), p, cfg)
         res = dict(dst=p.dst, cu_seqlens=p.cu_seqlens, zero_fill=p.zero_fill,
                    experts_to_copy=p.experts_to_copy, recv_src=p.recv_src,
                    recv_primary=p.recv_primary, recv_x=recv_x, recv_w=recv_w, combine=out,
-                   slots=slots, grouped_matmul=matmul)
+                   slots=slots, slots_of_both_gate_up=both_gate_up, slots_of_both_down=both_down,
+                   grouped_matmul=matmul)
         if cfg.trainable:
             g_slots = slots.astype(jnp.float32) * 0.5 + 1.0
             res["reduce_grad"] = moonep_jax.reduce_grad(w_gate_up.astype(jnp.float32), g_slots,

@@ -47,7 +47,7 @@ def _check_per_rank(record: dict, ops: int) -> None:
 
 def test_bench_dispatch_two_processes_on_cpu(tmp_path):
     record = _run("bench_dispatch", tmp_path)
-    _check_per_rank(record, ops=3)
+    _check_per_rank(record, ops=4)
     assert {"all_to_all_pad", "ragged_a2a", "moonep_cuda"} <= set(record["skipped_methods"])
     for point in record["points"]:
         assert point["ranks"] == [0, 1]
@@ -55,6 +55,12 @@ def test_bench_dispatch_two_processes_on_cpu(tmp_path):
             moved = point["hbm_bytes"][op]
             assert len(moved["read"]) == len(moved["written"]) == 2
             assert min(moved["read"]) > 0 and min(moved["written"]) > 0
+        # prefetch: both projections' experts of the used slots, read and written once each.
+        assert len(point["replicas"]) == 2 and sum(point["replicas"]) > 0
+        moved, F = point["hbm_bytes"]["prefetch"], record["shape"]["F"]
+        expert_bytes = 2 * 3 * record["shape"]["H"] * F
+        assert moved["written"] == [n * expert_bytes for n in point["replicas"]]
+        assert all(r > w for r, w in zip(moved["read"], moved["written"]))
         # Every rank's entries are received somewhere; primaries are at most the entries.
         assert sum(map(sum, point["entries_to"])) == sum(point["entries"])
         assert all(p <= e for p, e in zip(point["primary_rows"], point["entries"]))

@@ -354,7 +354,8 @@ def test_prefetch_copies_home_weights_exactly(mesh, seed, num_slots, dtype):
         p = plan(topk_idx, cfgs["xla"])
         slots = {impl: prefetch(w_local, p, cfg) for impl, cfg in cfgs.items()}
         # moe_ffn's variant: unused slots left unwritten (poisoned here), used ones exact.
-        slots["cuda_used_only"] = cuda_ops.prefetch(w_local, p, cfgs["cuda"], zero_unused_slots=False)
+        (slots["cuda_used_only"],) = cuda_ops.prefetch((w_local,), p, cfgs["cuda"],
+                                                       zero_unused_slots=False)
         return _stack((slots, p.experts_to_copy))
 
     _poison_allocator(mesh, 4 * w_local.size // R)
@@ -368,6 +369,96 @@ def test_prefetch_copies_home_weights_exactly(mesh, seed, num_slots, dtype):
             np.testing.assert_array_equal(cuda_slots[r, b], expected)
             if e >= 0:
                 np.testing.assert_array_equal(used_only[r, b], expected)
+
+
+# Weight arrays of one multi-array prefetch, (trailing dims, dtype): a bf16 expert of 260 KiB (at
+# num_sms = 1 nine bulk chunks through the four stages, every stage reused twice), an fp32 one of
+# 960 bytes (bulk, a 16-byte share per CTA), and experts of 42 and 20 bytes (not multiples of 16:
+# the 2- and 4-byte vector paths, from addresses that are not 16-byte aligned).
+PREFETCH_WEIGHTS = (((256, 520), jnp.bfloat16), ((12, 20), jnp.float32), ((3, 7), jnp.bfloat16),
+                    ((5,), jnp.float32))
+
+
+@pytest.mark.parametrize("num_sms", [1, None], ids=["1cta", "per_sm"])
+@pytest.mark.parametrize("zero_unused_slots", [True, False], ids=["zero_unused", "used_only"])
+def test_prefetch_of_several_arrays_in_one_call_bitwise_equal_to_xla(mesh, seed, num_sms,
+                                                                     zero_unused_slots):
+    """One CUDA prefetch call of four weight arrays of different dtypes and expert sizes, into
+    poisoned result buffers: every used slot is bitwise its home expert and equal to the xla
+    reference (itself equal to one xla call per array); unused slots are zero with
+    `zero_unused_slots`, and may hold anything without (only used slots are compared)."""
+    from moonep_jax import _xla
+    from moonep_jax._cuda import ops as cuda_ops
+
+    R = mesh.devices.size
+    cfgs = _configs(R, cuda=moonep_jax.CudaOptions(num_sms=num_sms))
+    epn = cfgs["xla"].epn
+    rng = np.random.default_rng(seed)
+    topk_idx = _routing(seed, R, 10.0, cfgs["xla"])
+    w_locals = tuple(rng.standard_normal((R * epn, *dims)).astype(dtype)
+                     for dims, dtype in PREFETCH_WEIGHTS)
+
+    def per_rank(topk_idx, *w_locals):
+        p = plan(topk_idx, cfgs["xla"])
+        slots = {"cuda": cuda_ops.prefetch(w_locals, p, cfgs["cuda"],
+                                           zero_unused_slots=zero_unused_slots),
+                 "xla": _xla.prefetch(w_locals, p, cfgs["xla"]),
+                 "xla_one_by_one": tuple(_xla.prefetch((w,), p, cfgs["xla"])[0]
+                                         for w in w_locals)}
+        return _stack((slots, p.experts_to_copy))
+
+    _poison_allocator(mesh, 2 * sum(w.nbytes for w in w_locals) // R)
+    slots, experts_to_copy = _per_rank(per_rank, mesh)(topk_idx, *w_locals)
+    experts_to_copy = np.asarray(experts_to_copy)[0]  # the full table, the same on every rank
+    used = experts_to_copy >= 0  # R = 1: no other rank's experts, every slot unused
+    assert (R == 1 or used.any()) and (~used).any(), "the routing must use some slots, not all"
+    for w, w_local in enumerate(w_locals):
+        cuda, xla = np.asarray(slots["cuda"][w]), np.asarray(slots["xla"][w])
+        assert cuda.dtype == w_local.dtype and cuda.shape == (R, cfgs["xla"].num_slots,
+                                                              *w_local.shape[1:])
+        np.testing.assert_array_equal(xla, np.asarray(slots["xla_one_by_one"][w]))
+        as_bits = lambda a: a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)  # noqa: E731
+        if zero_unused_slots:
+            np.testing.assert_array_equal(as_bits(cuda), as_bits(xla), err_msg=f"array {w}")
+        np.testing.assert_array_equal(as_bits(cuda[used]), as_bits(xla[used]), err_msg=f"array {w}")
+        np.testing.assert_array_equal(as_bits(cuda[used]), as_bits(w_local[experts_to_copy[used]]))
+
+
+@pytest.mark.parametrize("bad", ["E", -2])
+def test_prefetch_skips_and_reports_a_slot_naming_no_expert(mesh, seed, bad):
+    """A slot whose expert lies outside [-1, E) is never read through: with two arrays in one
+    call it comes out zero (into poisoned buffers) like an unused slot, every other slot exact,
+    and the host reads it as bad plan data at `check_transport_errors()`."""
+    from moonep_jax import _xla
+    from moonep_jax._cuda import ops as cuda_ops
+
+    R = mesh.devices.size
+    cfgs = _configs(R)
+    bad = cfgs["xla"].num_experts if bad == "E" else bad
+    rng = np.random.default_rng(seed)
+    topk_idx = _routing(seed, R, 10.0, cfgs["xla"])
+    w_locals = (rng.standard_normal((R * cfgs["xla"].epn, 24, 40)).astype(jnp.bfloat16),
+                rng.standard_normal((R * cfgs["xla"].epn, 3, 7)).astype(jnp.float32))
+
+    def per_rank(topk_idx, *w_locals):
+        p = plan(topk_idx, cfgs["xla"])
+        with_slot0 = lambda e: dataclasses.replace(  # noqa: E731
+            p, experts_to_copy=p.experts_to_copy.at[:, 0].set(e))
+        return _stack((cuda_ops.prefetch(w_locals, with_slot0(bad), cfgs["cuda"]),
+                       _xla.prefetch(w_locals, with_slot0(-1), cfgs["xla"])))
+
+    moonep_jax.check_transport_errors()  # nothing left over from other tests
+    _poison_allocator(mesh, 2 * sum(w.nbytes for w in w_locals) // R)
+    got, want = _per_rank(per_rank, mesh)(topk_idx, *w_locals)
+    for g, w in zip(got, want):
+        g, w = np.asarray(g), np.asarray(w)
+        assert not np.any(w[:, 0])  # the bad slot: zero
+        np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
+    with pytest.raises(moonep_jax.TransportError,
+                       match=r"bad plan data at EP rank \d+, epoch \d+: plan\.experts_to_copy "
+                             rf"names an expert.*\(value {bad}\)"):
+        moonep_jax.check_transport_errors()
+    moonep_jax.check_transport_errors()  # cleared by the read
 
 
 def _reduce_grad_case(mesh, seed: int, maxvio: float):

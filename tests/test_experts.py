@@ -95,6 +95,33 @@ def test_prefetch_copies_slot_experts_exactly_and_zeroes_unused_slots(mesh_facto
 
 
 @pytest.mark.parametrize("R", [2, 4])
+def test_prefetch_backend_of_several_arrays_equals_one_call_per_array(mesh_factory, seed, R):
+    """The xla backend of one call with weight arrays of different trailing dims and dtypes
+    (moe_ffn's forward passes both projections at once) returns, per array, exactly the slots of
+    a call with that array alone, and those are the home experts (zero where unused)."""
+    from moonep_jax import _xla
+
+    cfg = make_config(R)
+    rng = np.random.default_rng(seed)
+    table = slot_table(rng, cfg)
+    ws = (rng.standard_normal((cfg.num_experts, D0, D1)).astype(jnp.bfloat16),
+          rng.standard_normal((cfg.num_experts, 5)).astype(np.float32),
+          rng.standard_normal((cfg.num_experts, 2, 3, 7)).astype(np.float32))
+
+    def both(t, *ws):
+        p = rank_plan(None, t, cfg)
+        return _xla.prefetch(ws, p, cfg), tuple(_xla.prefetch((w,), p, cfg)[0] for w in ws)
+
+    together, one_by_one = run_per_rank(both, mesh_factory(R), replicated(table, cfg), *ws)
+    assert len(together) == len(ws)
+    for w, slots, alone in zip(ws, together, one_by_one):
+        used = (table >= 0).reshape(table.shape + (1,) * (w.ndim - 1))
+        expected = np.where(used, w[np.maximum(table, 0)], np.zeros((), w.dtype))
+        assert slots.dtype == w.dtype and slots.shape == expected.shape
+        assert np.array_equal(slots, alone) and np.array_equal(slots, expected)
+
+
+@pytest.mark.parametrize("R", [2, 4])
 def test_prefetch_gradient_reduces_slot_cotangents_to_home(mesh_factory, seed, R):
     cfg = make_config(R)
     rng = np.random.default_rng(seed)

@@ -256,7 +256,7 @@ def test_layer_reads_no_unspecified_weight_or_gradient(mesh_factory, seed, monke
             return out
         poisoned_ops.append("prefetch")
         _, experts_to_copy, rank = arguments(prefetch_xla, args, kwargs)
-        return nan_where(experts_to_copy[rank] >= 0, out)
+        return tuple(nan_where(experts_to_copy[rank] >= 0, slots) for slots in out)
 
     def poisoned_grouped_matmul_dw(*args, for_reduce_grad=False, **kwargs):
         d_local, d_partial, d_slots = grouped_matmul_dw_xla(*args, for_reduce_grad=for_reduce_grad,

@@ -10,6 +10,7 @@
 #include "kernels/constants.h"
 #include "kernels/grouped_matmul.h"
 #include "kernels/plan.h"
+#include "kernels/prefetch.h"
 #include "xla_ffi/handlers.h"
 #include "xla_ffi/transport.h"
 
@@ -41,6 +42,7 @@ PYBIND11_MODULE(_moonep_jax_cuda, m) {
         py::arg("num_groups"), py::arg("overflow"),
         "Rows of the grouped GEMM's [rows, 4] int32 tile-table scratch.");
   m.attr("GROUPED_MATMUL_TILE_M") = moonep::kGroupedMatmulTileM;
+  m.attr("MAX_PREFETCH_WEIGHTS") = moonep::kMaxPrefetchWeights;
   m.def(
       "plan_graph_nodes",
       [](int num_experts, int top_k, int num_tokens, int num_ranks) {

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moonep_jax import _ffi
 from moonep_jax._cuda import transport
 from moonep_jax.config import EPConfig
 from moonep_jax.plan_types import Plan
@@ -89,19 +90,30 @@ def combine_weights(recv_w: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
         recv_w, plan.dst, **_transport_attrs(cfg))
 
 
-def prefetch(w_local: jax.Array, plan: Plan, cfg: EPConfig, *,
-                  zero_unused_slots: bool = True) -> jax.Array:
-    """Zero-copy prefetch: `w_local [epn, D0, D1]` -> `w_slots [B, D0, D1]`, pulled from the homes.
+def prefetch(w_locals: tuple[jax.Array, ...], plan: Plan, cfg: EPConfig, *,
+             zero_unused_slots: bool = True) -> tuple[jax.Array, ...]:
+    """Zero-copy prefetch of several weight arrays in one call: `w_locals`, N arrays
+    `[epn, ...]` (each its own trailing dims and dtype) -> their N `w_slots [B, ...]`, pulled
+    from the homes.
 
     `w_slots[b]` is exactly the home rank's weights of `experts_to_copy[rank, b]`; unused slots are
     zero, or left unwritten with `zero_unused_slots=False` (moe_ffn: its GEMMs read only used
-    slots, and zeroing B = epn slots costs more than the copies). One call copies one tensor.
+    slots, and zeroing B = epn slots costs more than the copies). One FFI call for all N arrays:
+    one entry rendezvous publishing every `w_local`, one copy kernel (bulk TMA copies) over every
+    (array, slot), one exit barrier. N is at most the op's mailbox slots (`MAX_PREFETCH_WEIGHTS`
+    of the extension).
     """
-    _require_copyable("moonep_jax.prefetch", "w_local", w_local)
-    w_slots = jax.typeof(w_local).update(shape=(cfg.num_slots,) + tuple(w_local.shape[1:]))
-    return jax.ffi.ffi_call("moonep_prefetch", w_slots)(
-        w_local, plan.experts_to_copy, zero_unused_slots=np.int32(zero_unused_slots),
-        **_transport_attrs(cfg))
+    max_weights = _ffi.lib().MAX_PREFETCH_WEIGHTS
+    if not 1 <= len(w_locals) <= max_weights:
+        raise ValueError(f"`moonep_jax.prefetch` (implementation='cuda'): takes 1 to "
+                         f"{max_weights} weight arrays per call; got {len(w_locals)}.")
+    for i, w_local in enumerate(w_locals):
+        _require_copyable("moonep_jax.prefetch", f"w_locals[{i}]", w_local)
+    w_slots = tuple(jax.typeof(w).update(shape=(cfg.num_slots,) + tuple(w.shape[1:]))
+                    for w in w_locals)
+    return tuple(jax.ffi.ffi_call("moonep_prefetch", w_slots)(
+        plan.experts_to_copy, *w_locals, zero_unused_slots=np.int32(zero_unused_slots),
+        **_transport_attrs(cfg)))
 
 
 def reduce_grad(g: jax.Array, g_slots: jax.Array, plan: Plan, cfg: EPConfig, *,
