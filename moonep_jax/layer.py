@@ -58,8 +58,9 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array,
         planned here when None.
 
     Returns:
-      `[S, H]` in x's dtype. Each received row is scaled by its route weight in fp32 and rounded
-      to x's dtype before the (unweighted, two-stage) combine. Differentiable w.r.t. `x`, `topk_w`
+      `[S, H]` in x's dtype. Each received row's SwiGLU activation is scaled by its route weight
+      in fp32 and rounded to x's dtype before the down projection, whose rows the (unweighted,
+      two-stage) combine sums. Differentiable w.r.t. `x`, `topk_w`
       and both weights when `B == epn`; the weight gradients include every replica's share.
 
     Raises:
@@ -124,15 +125,19 @@ def _slot_prefetch(plan: Plan, cfg: EPConfig):
 
 
 def _forward(x, topk_w, w_gate_up, w_down, plan: Plan, cfg: EPConfig):
-    """The layer; returns `(out, (recv_x, recv_w, h, y))`, the rows its backward needs."""
+    """The layer; returns `(out, (recv_x, recv_w, h))`, the rows its backward needs.
+
+    The route weight scales each row's activation (F wide, in the SwiGLU's own pass) rather than
+    its output (H wide, a pass of its own): `(w * act) @ W_down = w * (act @ W_down)`.
+    """
     impl = _checks.implementation(cfg)
     prefetch = _slot_prefetch(plan, cfg)
     recv_x, recv_w = impl.dispatch(x, topk_w, plan, cfg)
     slots_gate_up, slots_down = prefetch(w_gate_up, w_down)  # one call: one rendezvous
     h = impl.grouped_matmul(recv_x, w_gate_up, slots_gate_up, plan, cfg)   # [NvS, 2F]
-    y = impl.grouped_matmul(_swiglu(h), w_down, slots_down, plan, cfg)     # [NvS, H]
-    out = impl.combine(_scale_rows(y, recv_w), plan, cfg)
-    return out, (recv_x, recv_w, h, y)
+    y = impl.grouped_matmul(_weighted_swiglu(h, recv_w), w_down, slots_down, plan, cfg)
+    out = impl.combine(y, plan, cfg)                                        # y [NvS, H] weighted
+    return out, (recv_x, recv_w, h)
 
 
 def _weight_grad(x, d_y, plan: Plan, cfg: EPConfig) -> jax.Array:
@@ -157,14 +162,11 @@ def _moe_ffn_fwd(x, topk_w, w_gate_up, w_down, plan, cfg):
 
 
 def _moe_ffn_bwd(cfg, residuals, d_out):
-    (recv_x, recv_w, h, y), w_gate_up, w_down, plan = residuals
+    (recv_x, recv_w, h), w_gate_up, w_down, plan = residuals
     impl = _checks.implementation(cfg)
     prefetch = _slot_prefetch(plan, cfg)
     no_weights = jnp.zeros((cfg.tokens_per_rank, cfg.top_k), _F32)
-    d_z, _ = impl.dispatch(d_out, no_weights, plan, cfg)          # [NvS, H]
-    d_z32 = d_z.astype(_F32)
-    d_recv_w = jnp.sum(d_z32 * y.astype(_F32), axis=1)              # [NvS] f32
-    d_y = _scale_rows(d_z, recv_w)
+    d_y, _ = impl.dispatch(d_out, no_weights, plan, cfg)          # [NvS, H]: y is weighted
 
     # Each re-prefetch is tied to a backward value so XLA can neither CSE it with the forward's
     # prefetch (that would keep the slots alive as a residual) nor hoist it into the forward.
@@ -172,9 +174,9 @@ def _moe_ffn_bwd(cfg, residuals, d_out):
     # its own dX GEMM runs, which keeps the backward's peak memory down.
     w_down, d_y = lax.optimization_barrier((w_down, d_y))
     (slots_down,) = prefetch(w_down)
-    d_act = impl.grouped_matmul_dx(d_y, w_down, slots_down, plan, cfg)        # [NvS, F]
-    d_w_down = _weight_grad(_swiglu(h), d_y, plan, cfg)
-    d_h = _swiglu_grad(h, d_act)                                    # [NvS, 2F]
+    d_act_w = impl.grouped_matmul_dx(d_y, w_down, slots_down, plan, cfg)      # [NvS, F]
+    d_w_down = _weight_grad(_weighted_swiglu(h, recv_w), d_y, plan, cfg)
+    d_h, d_recv_w = _weighted_swiglu_grad(h, recv_w, d_act_w)     # [NvS, 2F], [NvS] f32
     w_gate_up, d_h = lax.optimization_barrier((w_gate_up, d_h))
     (slots_gate_up,) = prefetch(w_gate_up)
     d_recv_x = impl.grouped_matmul_dx(d_h, w_gate_up, slots_gate_up, plan, cfg)
@@ -191,26 +193,25 @@ _moe_ffn.defvjp(_moe_ffn_fwd, _moe_ffn_bwd)
 # ---- elementwise parts (fp32 math, rounded to the rows' dtype) ----------------------------------
 
 
-def _scale_rows(rows: jax.Array, recv_w: jax.Array) -> jax.Array:
-    """`rows[r] * recv_w[r]` in fp32, rounded to the rows' dtype."""
-    return (rows.astype(_F32) * recv_w[:, None]).astype(rows.dtype)
-
-
-def _swiglu(h: jax.Array) -> jax.Array:
-    """`silu(gate) * up` of `h = [gate | up]` (`[NvS, 2F]` -> `[NvS, F]`)."""
+def _weighted_swiglu(h: jax.Array, recv_w: jax.Array) -> jax.Array:
+    """`recv_w[r] * silu(gate) * up` of `h = [gate | up]` (`[NvS, 2F]` -> `[NvS, F]`)."""
     gate, up = jnp.split(h.astype(_F32), 2, axis=1)
-    return (jax.nn.silu(gate) * up).astype(h.dtype)
+    return (recv_w[:, None] * jax.nn.silu(gate) * up).astype(h.dtype)
 
 
-def _swiglu_grad(h: jax.Array, d_act: jax.Array) -> jax.Array:
-    """Cotangent of `h` given the cotangent of `_swiglu(h)`.
+def _weighted_swiglu_grad(h: jax.Array, recv_w: jax.Array, d_act_w: jax.Array):
+    """Cotangents of `h` and `recv_w` given the cotangent of `_weighted_swiglu(h, recv_w)`.
 
-    `d gate = d_act * up * silu'(gate)` with `silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g)))`,
-    `d up = d_act * silu(gate)`.
+    With `act = silu(gate) * up`: `d recv_w = sum_f d_act_w * act` (F wide, in the same pass),
+    `d act = d_act_w * recv_w`, `d gate = d act * up * silu'(gate)` with
+    `silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g)))`, `d up = d act * silu(gate)`.
     """
     gate, up = jnp.split(h.astype(_F32), 2, axis=1)
-    d_act = d_act.astype(_F32)
+    d_act_w = d_act_w.astype(_F32)
     sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    d_recv_w = jnp.sum(d_act_w * silu * up, axis=1)
+    d_act = d_act_w * recv_w[:, None]
     d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
-    d_up = d_act * gate * sig
-    return jnp.concatenate([d_gate, d_up], axis=1).astype(h.dtype)
+    d_up = d_act * silu
+    return jnp.concatenate([d_gate, d_up], axis=1).astype(h.dtype), d_recv_w
