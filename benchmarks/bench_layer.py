@@ -2,8 +2,11 @@
 
 Shape of record (DESIGN §10): S=8192, H=7168, K=8, E=384, F=2048, bf16, EP = every local device,
 maxvio 0.2, 1, 10, 20 (routing from `moonep_jax.routing.lognormal_for_maxvio`). One step is
-`jax.grad` of `sum(out * d_out)` (a fixed random cotangent) w.r.t. x, topk_w, w_gate_up and w_down
-of a SwiGLU MoE layer; the same inputs and weights for every method.
+`jax.value_and_grad` of `sum(out * d_out)` (a fixed random cotangent) w.r.t. x, topk_w, w_gate_up
+and w_down of a SwiGLU MoE layer; the same inputs and weights for every method. The loss value
+keeps the layer's output live, as the next layer of a real model does: with `jax.grad` alone XLA
+drops every forward computation that only the (linear) loss reads, the whole down projection of
+the dense floor included (5 GEMMs instead of 6).
 
 Methods:
   moonep_cuda      `moonep_jax.moe_ffn`, implementation="cuda", B = epn (training).
@@ -33,10 +36,10 @@ Writes `<out>/bench_layer_<gpu>x<count>.json` and `.png` (`benchmarks/results` b
 One-GPU mode (`--one-gpu`, and the default when jax sees one device): R = 1 with E = 192, i.e.
 EP=2's per-rank work of the record shape (S=8192, K=8, H=7168, F=2048, bf16, B = epn), maxvio
 0.2/1/10/20 (routing: ONE_GPU_ROUTING below says why a lognormal over the 192 experts). Times
-moonep_jax's step (`jax.grad` w.r.t. x, topk_w and both weights) and its forward next to the dense
-floor measured in the same process (the same S*K rows through ONE dense SwiGLU expert, 6 dense
-GEMMs, `jax.grad`), their ratio, each point's groups and M tiles, and the memory of the compiled
-step. Median of --reps (5) after 2 warm-ups; about a minute of GPU time after compiles. `--ncu`
+moonep_jax's step (`jax.value_and_grad` w.r.t. x, topk_w and both weights) and its forward next to
+the dense floor measured in the same process (the same S*K rows through ONE dense SwiGLU expert, 6
+dense GEMMs, `jax.value_and_grad`), their ratio, each point's groups and M tiles, and the memory of
+the compiled step. Median of --reps (20) after 2 warm-ups; about a minute of GPU time after compiles. `--ncu`
 first re-runs exactly one step under ncu (the recipe of shared/examples/profile_layer/run_ncu.sh;
 needs ncu and CuPy or libnvToolsExt) and folds the per-kernel times into the record by category
 (grouped GEMM fwd/dX, dW, converts, reduce_grad, dispatch/combine, rest); the raw CSV goes to
@@ -281,7 +284,8 @@ def ragged_a2a_layer(cfg):
 
 
 def training_step(layer, mesh):
-    """jit: grads of `sum(out * d_out)` w.r.t. x, topk_w, w_gate_up, w_down."""
+    """jit: `sum(out * d_out)` and its grads w.r.t. x, topk_w, w_gate_up, w_down (the value keeps
+    the forward's output computed; see the module docstring)."""
     per_rank = jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
 
     def step(x, topk_idx, topk_w, w_gate_up, w_down, d_out):
@@ -289,7 +293,7 @@ def training_step(layer, mesh):
             out = per_rank(x, topk_idx, topk_w, w_gate_up, w_down)
             return jnp.sum(out.astype(_F32) * d_out.astype(_F32))
 
-        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, topk_w, w_gate_up, w_down)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, topk_w, w_gate_up, w_down)
 
     return jax.jit(step)
 
@@ -297,12 +301,13 @@ def training_step(layer, mesh):
 def per_rank_training_step(layer, mesh):
     """`training_step` with no collective of XLA's own (`--processes`: NCCL refuses two ranks on
     one GPU): inside the shard_map, each rank pulls back its own `d_out` through the layer (the
-    cotangent of `sum(out * d_out)`, so the same gradients) instead of summing a global loss."""
+    cotangent of `sum(out * d_out)`, so the same gradients) instead of summing a global loss, and
+    returns its output with them (kept live, as the loss value keeps it in `training_step`)."""
 
     def step(x, topk_idx, topk_w, w_gate_up, w_down, d_out):
-        _, pullback = jax.vjp(lambda *a: layer(a[0], topk_idx, *a[1:]), x, topk_w, w_gate_up,
-                              w_down)
-        return pullback(d_out)
+        out, pullback = jax.vjp(lambda *a: layer(a[0], topk_idx, *a[1:]), x, topk_w, w_gate_up,
+                                w_down)
+        return out, pullback(d_out)
 
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 
@@ -504,8 +509,8 @@ def one_gpu_routing(mesh, shape: Shape, maxvio: float):
 
 def dense_floor(shape: Shape):
     """`(step, forward, args)`: the same S*K rows through ONE dense SwiGLU expert (x @ W_gu,
-    SwiGLU, @ W_down; `jax.grad` w.r.t. rows and both weights: 6 dense GEMMs), inputs drawn like
-    the layer's on the default device."""
+    SwiGLU, @ W_down; `jax.value_and_grad` w.r.t. rows and both weights: 6 dense GEMMs), inputs
+    drawn like the layer's on the default device."""
     M = shape.S * shape.K
 
     @jax.jit
@@ -520,7 +525,8 @@ def dense_floor(shape: Shape):
         y = swiglu(rows @ w_gate_up) @ w_down
         return jnp.sum(y.astype(_F32) * d_rows.astype(_F32))
 
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), jax.jit(loss), draw(jax.random.key(4242))
+    return (jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), jax.jit(loss),
+            draw(jax.random.key(4242)))
 
 
 def timed(compiled, args, reps: int, warmups: int = 2) -> dict:
@@ -667,7 +673,7 @@ def main_one_gpu(args) -> None:
         shape, implementation)
     K, S, H, F = shape.K, shape.S, shape.H, shape.F
     flops_fwd = 2.0 * S * K * (H * 2 * F + F * H)
-    record = {"schema": "moonep_jax.bench_layer_one_gpu/1", **_common.provenance(),
+    record = {"schema": "moonep_jax.bench_layer_one_gpu/2", **_common.provenance(),
               "mode": "one_gpu", "gpu_used": f"{devices[0].device_kind} x1 (jax.devices()[0] of "
               f"{len(devices)})", "process": "one process, one device; mesh ('ep',) of size 1",
               "equivalent_to": "EP=2's per-rank work at the record shape (S=8192, K=8, E=384 "
@@ -680,13 +686,14 @@ def main_one_gpu(args) -> None:
               "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
               "xla_flags": os.environ.get("XLA_FLAGS"),
               "routing": ONE_GPU_ROUTING,
-              "step": "jax.jit(jax.grad) of sum(out * d_out) (fp32) w.r.t. x, topk_w, w_gate_up, "
-                      "w_down; forward = the same loss without grad",
+              "step": "jax.jit(jax.value_and_grad) of sum(out * d_out) (fp32) w.r.t. x, topk_w, "
+                      "w_gate_up, w_down (the value keeps the forward's output computed); "
+                      "forward = the same loss without grad",
               "dense_floor_method": "the same S*K rows through ONE dense SwiGLU expert: rows @ "
                                     "W_gu [H, 2F], SwiGLU (fp32 math, bf16 out), @ W_down [F, H], "
-                                    "loss sum(y * d_rows) in fp32, jax.grad w.r.t. rows and both "
-                                    "weights (6 dense GEMMs); timed before and after the layer, "
-                                    "median over both",
+                                    "loss sum(y * d_rows) in fp32, jax.value_and_grad w.r.t. rows "
+                                    "and both weights (6 dense GEMMs); timed before and after the "
+                                    "layer, median over both",
               "flops_fwd": flops_fwd, "points": [], "ncu": ncu}
 
     def write():
@@ -807,7 +814,7 @@ def run_ranks(args) -> None:
     method = f"moonep_{impl}"
     skipped = _processes.skipped_methods(("a2a_pad_gmm", "ragged_a2a_dot"))
     reps = args.reps or PROCESS_REPS
-    record = {"schema": "moonep_jax.bench_layer_processes/1", **_processes.provenance(R),
+    record = {"schema": "moonep_jax.bench_layer_processes/2", **_processes.provenance(R),
               "shape": dataclasses.asdict(shape), "dtype": "bfloat16", "num_ranks": R,
               "implementation": impl, "nvs": cfg.nvs, "prefetch_slots": cfg.num_slots,
               "reps": reps, "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
@@ -950,11 +957,11 @@ def main():
         skipped[name] = f"skipped on request (--skip): {SKIP_REASONS.get(name, 'no reason given')}"
     methods = [m for m in methods if m.name not in args.skip]
 
-    record = {"schema": "moonep_jax.bench_layer/1", **_common.provenance(),
+    record = {"schema": "moonep_jax.bench_layer/2", **_common.provenance(),
               "shape": dataclasses.asdict(shape), "dtype": "bfloat16", "num_ranks": R,
               "nvs": cfg_xla.nvs, "prefetch_slots": cfg_xla.num_slots, "reps": args.reps,
               "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
-              "step": "jax.grad of sum(out * d_out) w.r.t. x, topk_w, w_gate_up, w_down",
+              "step": "jax.value_and_grad of sum(out * d_out) w.r.t. x, topk_w, w_gate_up, w_down",
               "methods": [m.name for m in methods], "skipped_methods": skipped, "notes": notes,
               "points": []}
     stem = f"bench_layer_{_common.device_tag()}" + ("_quick" if args.quick else "")
