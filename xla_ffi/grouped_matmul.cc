@@ -11,31 +11,14 @@
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/shape_checks.h"
 #include "xla_ffi/transport.h"
 
 namespace ffi = xla::ffi;
+using moonep::has_shape;
+using moonep::shape_error;
 
 namespace {
-
-std::string shape_str(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-bool has_shape(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> expected) {
-  if (dims.size() != expected.size()) return false;
-  size_t i = 0;
-  for (int64_t e : expected)
-    if (dims[i++] != e) return false;
-  return true;
-}
-
-ffi::Error shape_error(const char* target, const char* name, const std::string& rule,
-                       ffi::Span<const int64_t> dims) {
-  return ffi::Error::InvalidArgument(std::string(target) + ": `" + name + "` must have shape " +
-                                     rule + "; got " + shape_str(dims) + ".");
-}
 
 ffi::Error cuda_error(const char* target, cudaError_t e) {
   return ffi::Error::Internal(std::string(target) + ": " + cudaGetErrorString(e));

@@ -10,33 +10,16 @@
 #include "kernels/constants.h"
 #include "kernels/plan.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/shape_checks.h"
 #include "xla_ffi/transport.h"
 
 namespace moonep {
 namespace {
 
-std::string dims_str(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-std::string dims_str(std::initializer_list<int64_t> dims) {
-  std::string s = "[";
-  for (auto it = dims.begin(); it != dims.end(); ++it) {
-    s += (it != dims.begin() ? ", " : "") + std::to_string(*it);
-  }
-  return s + "]";
-}
-
 ffi::Error check_shape(const char* name, ffi::Span<const int64_t> dims,
                        std::initializer_list<int64_t> expected) {
-  bool same = dims.size() == expected.size();
-  size_t i = 0;
-  for (int64_t want : expected) same = same && dims[i++] == want;
-  if (same) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(std::string("moonep_plan: `") + name + "` must have shape " +
-                                     dims_str(expected) + "; got " + dims_str(dims) + ".");
+  if (has_shape(dims, expected)) return ffi::Error::Success();
+  return shape_error("moonep_plan", name, dims_str(expected), dims);
 }
 
 ffi::Error check_sizes(int64_t E, int64_t K, int64_t S, int64_t R, int64_t B, int64_t tp,
