@@ -32,7 +32,7 @@ GPU host all sharing GPU 0 under MPS, at maxvio 1 and 20 and the same shape. Onl
 are recorded as skipped; on CPU the xla ops stand in, a harness check); each rank times its own
 calls, process 0 writes `bench_dispatch_<gpu>x1_<N>proc_mps.json` with every rank's times, the max
 over ranks, and per op the bytes each rank's kernels read and write (`hbm_bytes`) with the implied
-GB/s. On one GPU
+GB/s, and the part of them read from other ranks (`link_bytes`; both modes record both). On one GPU
 these are NOT NVLink figures: all ranks share its SMs and HBM, and the link is HBM (prefetch's
 `hbm_gbps_all_ranks` is then the GPU's HBM read + write rate of the replica copies).
 
@@ -292,6 +292,24 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
     return moved
 
 
+def link_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int) -> dict:
+    """Per op and rank, the bytes its kernels read from other ranks' memory (over NVLink between
+    GPUs; the same HBM when the ranks share one), from `traffic` of all R ranks. dispatch: each
+    row pulled from another sender, with that token's K dst entries and weights; combine: the
+    row of every valid entry of this rank's tokens that another rank holds; prefetch: every used
+    slot's expert of both projections (a slot always replicates another rank's expert). The
+    plan's histogram exchange is not counted."""
+    K, R = cfg.top_k, cfg.num_ranks
+    primaries_to = np.array(rows["primaries_to"])                    # [sender, receiver]
+    pulled_remote = primaries_to.sum(axis=0) - np.diag(primaries_to)  # per receiver
+    moved = {"dispatch": (pulled_remote * (row_bytes + K * 8)).astype(int).tolist(),
+             "combine": (np.array(rows["remote_rows"]) * row_bytes).astype(int).tolist()}
+    if "replicas" in rows:
+        moved["prefetch"] = (np.array(rows["replicas"]) * expert_bytes(cfg)).astype(int).tolist()
+    assert all(len(v) == R for v in moved.values())
+    return moved
+
+
 def hbm_rates(moved: dict, times_ms: list[float]) -> dict:
     """GB/s of one op: each rank's bytes (read + written) over its own time, and all ranks'
     bytes over the slowest rank's time (what one GPU's HBM carried when the ranks share it)."""
@@ -365,7 +383,7 @@ def run_point(mesh, cfgs: dict, maxvio: float, args, methods: list[str], on_poin
     row_bytes = H * 2
     moved = hbm_bytes(rows, cfg, row_bytes, plan_bytes_per_rank(p, R))
     point = {"maxvio_target": maxvio, "maxvio_measured": realised, "sigma": sigma, **rows,
-             "hbm_bytes": moved, "results": []}
+             "hbm_bytes": moved, "link_bytes": link_bytes(rows, cfg, row_bytes), "results": []}
     it, reps = args.iters, args.reps
 
     def add(op: str, result: dict):
@@ -480,6 +498,7 @@ def run_ranks(args) -> None:
               "num_sms": _common.comm_ctas(cfg), "iters": args.iters, "reps": args.reps,
               "implementation": impl, "methods": [method], "skipped_methods": skipped,
               "hbm_bytes_method": " ".join(hbm_bytes.__doc__.split()),
+              "link_bytes_method": " ".join(link_bytes.__doc__.split()),
               "points": []}
     if first:
         print(f"bench_dispatch --processes {R}: {record['process_layout']}, shape {shape}, "
@@ -509,7 +528,8 @@ def run_ranks(args) -> None:
         rows = {k: [v for one in everyone for v in one["traffic"][k]] for k in mine["traffic"]}
         moved = hbm_bytes(rows, cfg, row_bytes, plan_bytes_per_rank(p, R))
         point = {"maxvio_target": maxvio, "maxvio_measured": realised, "sigma": sigma, **rows,
-                 "hbm_bytes": moved, "results": []}
+                 "hbm_bytes": moved, "link_bytes": link_bytes(rows, cfg, row_bytes),
+                 "results": []}
         for op in OPS:
             per_rank_times = [{"rank": one["rank"], "times_ms": one["times_ms"][op],
                                "median_ms": float(np.median(one["times_ms"][op]))}
@@ -577,6 +597,8 @@ def main():
         "num_sms": _common.comm_ctas(cfgs["cuda"]), "iters": args.iters, "reps": args.reps,
         "methods": methods,
         "skipped_methods": skipped,
+        "hbm_bytes_method": " ".join(hbm_bytes.__doc__.split()),
+        "link_bytes_method": " ".join(link_bytes.__doc__.split()),
         "points": [],
     }
     path = args.out / f"{stem}.json"

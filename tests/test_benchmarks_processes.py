@@ -61,6 +61,14 @@ def test_bench_dispatch_two_processes_on_cpu(tmp_path):
         expert_bytes = 2 * 3 * record["shape"]["H"] * F
         assert moved["written"] == [n * expert_bytes for n in point["replicas"]]
         assert all(r > w for r, w in zip(moved["read"], moved["written"]))
+        # Over the link: every row a rank pulls from another (one per token and remote rank, what
+        # its senders count as deduplicated remote rows) with K dst entries and weights; every
+        # remote entry's row once for combine; every used slot's experts for prefetch.
+        row_bytes, K = 2 * record["shape"]["H"], record["shape"]["K"]
+        link = point["link_bytes"]
+        assert sum(link["dispatch"]) == sum(point["dedup_remote_rows"]) * (row_bytes + 8 * K) > 0
+        assert link["combine"] == [n * row_bytes for n in point["remote_rows"]]
+        assert link["prefetch"] == moved["written"]
         # Every rank's entries are received somewhere; primaries are at most the entries.
         assert sum(map(sum, point["entries_to"])) == sum(point["entries"])
         assert all(p <= e for p, e in zip(point["primary_rows"], point["entries"]))
