@@ -36,10 +36,7 @@ item into a multi-stage mbarrier ring and runs ahead into the next item, while w
 accumulators straight from registers with row/column predicates, so one item's epilogue overlaps
 the next item's loads. In a ragged-M tile a warp group issues WGMMAs only for its blocks that
 hold rows of the group (a separate K loop per block count; an idle warp group only releases the
-stages), so a group's last tile costs MMAs for its rows rounded up to 64. Ragged M runs in
-clusters of CLUSTER_N = 2 CTAs that walk the same table tiles and take adjacent N tiles: each
-CTA's producer loads half of every A tile and multicasts it to both, and a stage is free once
-the consumers of both CTAs have released it (dW, whose items share no tile, runs unclustered).
+stages), so a group's last tile costs MMAs for its rows rounded up to 64.
 
 Tiles are 256 x 128 (M x N): a group of up to 256 rows is one M tile, so its weights stream from
 memory once per N tile. With 128 x 256 tiles the ~170-row groups of a 384-expert plan took two
@@ -70,17 +67,11 @@ WARPS_PER_GROUP = THREADS_PER_GROUP // 32
 NUM_CONSUMER_THREADS = 2 * THREADS_PER_GROUP
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 * 40 + 256 * 232 <= 64K registers per SM
 CONSUMER_BARRIER = 1  # named barrier of the consumer warp groups (0 is __syncthreads)
-# Ragged M runs in clusters of CLUSTER_N CTAs that take adjacent N tiles of the same table tile:
-# each loads 1/CLUSTER_N of the A tile and multicasts it to the others, so A (256 x 64, twice the
-# B tile) crosses from L2 once per cluster. One CTA alone streams 48 KB of operands per 4 MFLOP
-# K step, more than L2 feeds 132 SMs at the WGMMA rate; with A shared it is 32 KB.
-CLUSTER_N = 2
 
 
 def rows_num_items(c: cute.Tensor, tile_table: cute.Tensor):
-    """Work items of the ragged-M kernels, one per cluster: (table tile, CLUSTER_N N tiles)."""
-    return (cute.ceil_div(cute.size(c, mode=[1]), TILE_N * CLUSTER_N)
-            * cute.size(tile_table, mode=[0]))
+    """Work items of the ragged-M kernels: (table tile, N tile) pairs."""
+    return cute.ceil_div(cute.size(c, mode=[1]), TILE_N) * cute.size(tile_table, mode=[0])
 
 
 def weight_grad_num_items(dw_local: cute.Tensor, dw_slots: cute.Tensor):
@@ -90,14 +81,13 @@ def weight_grad_num_items(dw_local: cute.Tensor, dw_slots: cute.Tensor):
             * (cute.size(dw_local, mode=[2]) + cute.size(dw_slots, mode=[2])))
 
 
-def persistent_cta(cluster_size: int):
-    """(first work item, item stride, warp-uniform warp index, thread index) of this CTA: cluster
-    `c` of a grid of `g` clusters (of `cluster_size` consecutive CTAs) takes items c, c + g, ..."""
-    block, _, _ = cute.arch.block_idx()
-    grid, _, _ = cute.arch.grid_dim()
+def persistent_cta():
+    """(first work item, item stride, warp-uniform warp index, thread index) of this CTA: CTA
+    `b` of a grid of `g` takes items b, b + g, b + 2g, ..."""
+    first_item, _, _ = cute.arch.block_idx()
+    item_stride, _, _ = cute.arch.grid_dim()
     tidx, _, _ = cute.arch.thread_idx()
-    return (block // cluster_size, grid // cluster_size,
-            cute.arch.make_warp_uniform(cute.arch.warp_idx()), tidx)
+    return first_item, item_stride, cute.arch.make_warp_uniform(cute.arch.warp_idx()), tidx
 
 
 class GroupedMatmul:
@@ -105,7 +95,6 @@ class GroupedMatmul:
 
     def __init__(self, ragged_k: bool):
         self.ragged_k = ragged_k
-        self.cluster_n = 1 if ragged_k else CLUSTER_N  # dW items share no operand tile
         self.tile_mnk = (TILE_M, TILE_N, TILE_K)
         self.atom_layout_mnk = (2, 1, 1)  # two consumer warp groups, alternate 64-row blocks
         self.num_threads = THREADS_PER_GROUP + NUM_CONSUMER_THREADS
@@ -128,12 +117,10 @@ class GroupedMatmul:
         self.b_smem_staged = sm90_utils.make_smem_layout_b(
             b_layout, self.tile_mnk, self.ab_dtype, self.num_stages)
 
-    def _tma_load(self, tensor: cute.Tensor, smem_staged, tile_shape, multicast: int = 1):
-        op = (cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp() if multicast == 1
-              else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp())
+    def _tma_load(self, tensor: cute.Tensor, smem_staged, tile_shape):
         return cute.nvgpu.cpasync.make_tiled_tma_atom(
-            op, tensor, cute.slice_(smem_staged, (None, None, 0)), tile_shape,
-            num_multicast=multicast)
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), tensor,
+            cute.slice_(smem_staged, (None, None, 0)), tile_shape)
 
     def _shared_storage(self, epilogue_staged=None):
         """Shared memory: the pipeline's barriers and A/B stages and, with `epilogue_staged`, one
@@ -160,30 +147,27 @@ class GroupedMatmul:
         (table tile, N tile) work items.
         """
         self._setup(a, b_local)
-        tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (TILE_M, TILE_K),
-                                             multicast=CLUSTER_N)
+        tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (TILE_M, TILE_K))
         tma_b_local, tma_tensor_b_local = self._tma_load(
             b_local, self.b_smem_staged, (TILE_N, TILE_K))
         tma_b_slots, tma_tensor_b_slots = self._tma_load(
             b_slots, self.b_smem_staged, (TILE_N, TILE_K))
         self.shared_storage = self._shared_storage()
-        num_clusters = cutlass.min(num_ctas // CLUSTER_N, rows_num_items(c, tile_table))
+        num_items = rows_num_items(c, tile_table)
         self.rows_kernel(
             self.tiled_mma, tma_a, tma_tensor_a, tma_b_local, tma_tensor_b_local, tma_b_slots,
             tma_tensor_b_slots, c, tile_table, self.a_smem_staged,
             self.b_smem_staged,
-        ).launch(grid=(num_clusters * CLUSTER_N, 1, 1), block=(self.num_threads, 1, 1),
-                 cluster=(CLUSTER_N, 1, 1), stream=stream)
+        ).launch(grid=(cutlass.min(num_ctas, num_items), 1, 1), block=(self.num_threads, 1, 1),
+                 stream=stream)
 
     @cute.jit
     def rows_item(self, item: cutlass.Int32, mA: cute.Tensor, mB_local: cute.Tensor,
                   mB_slots: cute.Tensor, mC: cute.Tensor, tile_table: cute.Tensor):
-        """Work item -> (kind, row_start, row_end, K tiles, gA, gB_local, gB_slots, n_tile) of
-        this CTA: N tile `CLUSTER_N * j + (rank in cluster)` (past N when the tile count is odd:
-        its B tile reads zeros, it stores nothing, but its share of A still goes out)."""
-        num_n_pairs = cute.ceil_div(cute.size(mC, mode=[1]), TILE_N * CLUSTER_N)
-        n_tile = (item % num_n_pairs) * CLUSTER_N + cute.arch.block_idx_in_cluster()
-        table_idx = item // num_n_pairs
+        """Work item -> (kind, row_start, row_end, K tiles, gA, gB_local, gB_slots, n_tile)."""
+        num_n_tiles = cute.ceil_div(cute.size(mC, mode=[1]), TILE_N)
+        n_tile = item % num_n_tiles
+        table_idx = item // num_n_tiles
         kind = tile_table[table_idx, 0]
         row_start = tile_table[table_idx, 1]
         row_end = tile_table[table_idx, 2]
@@ -205,7 +189,7 @@ class GroupedMatmul:
                     tile_table: cute.Tensor, a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout):
         ab_pipeline, sA, sB, _ = self.make_pipeline(a_smem_staged, b_smem_staged)
         num_items = rows_num_items(mC, tile_table)
-        first_item, item_stride, warp_idx, tidx = persistent_cta(self.cluster_n)
+        first_item, item_stride, warp_idx, tidx = persistent_cta()
         if warp_idx < WARPS_PER_GROUP:
             cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
             if warp_idx == 0:
@@ -331,7 +315,7 @@ class GroupedMatmul:
         ab_pipeline, sA, sB, storage = self.make_pipeline(a_smem_staged, b_smem_staged)
         sC = storage.sC.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
         num_items = weight_grad_num_items(dw_local, dw_slots)
-        first_item, item_stride, warp_idx, tidx = persistent_cta(self.cluster_n)
+        first_item, item_stride, warp_idx, tidx = persistent_cta()
         if warp_idx < WARPS_PER_GROUP:
             cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
             if warp_idx == 0:
@@ -407,18 +391,15 @@ class GroupedMatmul:
         tma_bytes = (cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
                      + cute.size_in_bytes(self.ab_dtype,
                                           cute.slice_(b_smem_staged, (None, None, 0))))
-        # A stage is free once every consumer warp of every CTA that its A tile was multicast to
-        # has released it: one arrive per consumer warp and CTA of the cluster (lane r of each
-        # consumer warp arrives on CTA r's barrier). With a cluster, create() ends with a
-        # cluster barrier, so no multicast reaches a CTA before its barriers exist.
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.pipeline_barriers.data_ptr(),
             num_stages=self.num_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.cluster_n * NUM_CONSUMER_THREADS // 32),
+            # One arrive per consumer warp (its lane 0) releases a stage.
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     NUM_CONSUMER_THREADS // 32),
             tx_count=tma_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, self.cluster_n, 1)),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
         return ab_pipeline, sA, sB, storage
 
@@ -426,24 +407,16 @@ class GroupedMatmul:
     def load(self, ab_pipeline, producer, tma_a: cute.CopyAtom, gA: cute.Tensor,
              sA: cute.Tensor, tma_b: cute.CopyAtom, gB: cute.Tensor, sB: cute.Tensor,
              num_k_tiles: cutlass.Int32):
-        """Producer warp: TMA-load the `num_k_tiles` K tiles of one work item into the ring (in a
-        cluster, this CTA's 1/cluster_n of each A tile, multicast to every CTA of the cluster)."""
+        """Producer warp: TMA-load the `num_k_tiles` K tiles of one work item into the ring."""
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_a, cute.arch.block_idx_in_cluster() if self.cluster_n > 1 else 0,
-            cute.make_layout(self.cluster_n), cute.group_modes(sA, 0, 2),
-            cute.group_modes(gA, 0, 2))
-        a_receivers = cutlass.Int16((1 << self.cluster_n) - 1)  # every CTA of the cluster
+            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
             ab_pipeline.producer_acquire(producer)
             barrier = ab_pipeline.producer_get_barrier(producer)
-            if cutlass.const_expr(self.cluster_n > 1):
-                cute.copy(tma_a, tAgA[(None, k_tile)], tAsA[(None, producer.index)],
-                          tma_bar_ptr=barrier, mcast_mask=a_receivers)
-            else:
-                cute.copy(tma_a, tAgA[(None, k_tile)], tAsA[(None, producer.index)],
-                          tma_bar_ptr=barrier)
+            cute.copy(tma_a, tAgA[(None, k_tile)], tAsA[(None, producer.index)],
+                      tma_bar_ptr=barrier)
             cute.copy(tma_b, tBgB[(None, k_tile)], tBsB[(None, producer.index)],
                       tma_bar_ptr=barrier)
             ab_pipeline.producer_commit(producer)
