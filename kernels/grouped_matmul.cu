@@ -360,6 +360,16 @@ T matrix(const void* data, int32_t rows, int32_t cols, bool transposed) {
   return t;
 }
 
+// Row-major [mats, D0, D1] matrices seen as a rank-3 tensor of the generated type `T`, the
+// matrix last, like `matrix`: (D0, D1, mats) (`transposed` false: strides D1, 1, D0*D1) or
+// (D1, D0, mats) (strides 1, D1, D0*D1); the dynamic strides are D1 and D0*D1 either way.
+template <typename T>
+T matrices(const void* data, int32_t mats, int32_t d0, int32_t d1, bool transposed) {
+  return {const_cast<void*>(data),
+          {transposed ? d1 : d0, transposed ? d0 : d1, mats},
+          {d1, static_cast<int64_t>(d0) * d1}};
+}
+
 // The persistent kernels run one CTA per SM of `device`.
 cudaError_t persistent_ctas(int device, int32_t* ctas) {
   return cudaDeviceGetAttribute(ctas, cudaDevAttrMultiProcessorCount, device);
@@ -399,29 +409,25 @@ cudaError_t launch_grouped_matmul(const GroupedMatmulParams& p, cudaStream_t str
   }
   int32_t ctas = 0;
   if (cudaError_t e = persistent_ctas(p.device, &ctas); e != cudaSuccess) return e;
-  // The weights, row-major [mats, D0, D1], as rank-3 tensors with the matrix last: the
-  // forward's B = W is (D1, D0, mats) with strides (1, D1, D0*D1), dX's B = W^T is (D0, D1, mats)
-  // with strides (D1, 1, D0*D1); the dynamic strides are D1 and D0*D1 in both.
-  const int64_t mat_stride = static_cast<int64_t>(p.d0) * p.d1;
-  const int32_t n = p.op == GroupedMatmulOp::kForward ? p.d1 : p.d0;
-  const int32_t k = p.op == GroupedMatmulOp::kForward ? p.d0 : p.d1;
   int32_t status = 0;
   if (p.op == GroupedMatmulOp::kForward) {
+    // B = W in (N, K) orientation: (D1, D0, mats).
     auto a = matrix<moonep_grouped_matmul_Tensor_a_t>(p.in, p.num_rows, p.d0, false);
-    moonep_grouped_matmul_Tensor_b_local_t b_local = {
-        const_cast<void*>(p.w_local), {n, k, p.num_local}, {p.d1, mat_stride}};
-    moonep_grouped_matmul_Tensor_b_slots_t b_slots = {
-        const_cast<void*>(p.w_slots), {n, k, p.num_slots}, {p.d1, mat_stride}};
+    auto b_local =
+        matrices<moonep_grouped_matmul_Tensor_b_local_t>(p.w_local, p.num_local, p.d0, p.d1, true);
+    auto b_slots =
+        matrices<moonep_grouped_matmul_Tensor_b_slots_t>(p.w_slots, p.num_slots, p.d0, p.d1, true);
     auto c = matrix<moonep_grouped_matmul_Tensor_c_t>(p.out, p.num_rows, p.d1, false);
     moonep_grouped_matmul_Tensor_tile_table_t table = {p.tile_table, {max_tiles}};
     status = cute_dsl_moonep_grouped_matmul_wrapper(fwd_module().get(), &a, &b_local, &b_slots, &c,
                                                     &table, ctas, stream);
   } else {
+    // B = W^T in (N, K) orientation: (D0, D1, mats).
     auto a = matrix<moonep_grouped_matmul_dx_Tensor_a_t>(p.in, p.num_rows, p.d1, false);
-    moonep_grouped_matmul_dx_Tensor_b_local_t b_local = {
-        const_cast<void*>(p.w_local), {n, k, p.num_local}, {p.d1, mat_stride}};
-    moonep_grouped_matmul_dx_Tensor_b_slots_t b_slots = {
-        const_cast<void*>(p.w_slots), {n, k, p.num_slots}, {p.d1, mat_stride}};
+    auto b_local = matrices<moonep_grouped_matmul_dx_Tensor_b_local_t>(p.w_local, p.num_local, p.d0,
+                                                                       p.d1, false);
+    auto b_slots = matrices<moonep_grouped_matmul_dx_Tensor_b_slots_t>(p.w_slots, p.num_slots, p.d0,
+                                                                       p.d1, false);
     auto c = matrix<moonep_grouped_matmul_dx_Tensor_c_t>(p.out, p.num_rows, p.d0, false);
     moonep_grouped_matmul_dx_Tensor_tile_table_t table = {p.tile_table, {max_tiles}};
     status = cute_dsl_moonep_grouped_matmul_dx_wrapper(dx_module().get(), &a, &b_local, &b_slots,
@@ -451,14 +457,13 @@ cudaError_t launch_grouped_matmul_dw(const GroupedMatmulDwParams& p, cudaStream_
   // A = x^T (D0, NvS) and B = dy^T (D1, NvS): transposed views of the row-major activations.
   auto a = matrix<moonep_grouped_matmul_dw_Tensor_a_t>(p.x, p.num_rows, p.d0, true);
   auto b = matrix<moonep_grouped_matmul_dw_Tensor_b_t>(p.dy, p.num_rows, p.d1, true);
-  // dw (D0, D1, mats) with strides (D1, 1, D0*D1): row-major [mats, D0, D1].
-  const int64_t mat_stride = static_cast<int64_t>(p.d0) * p.d1;
-  moonep_grouped_matmul_dw_Tensor_dw_local_t dw_local = {
-      p.dw_local, {p.d0, p.d1, p.num_local}, {p.d1, mat_stride}};
-  moonep_grouped_matmul_dw_Tensor_dw_partial_t dw_partial = {
-      p.dw_partial, {p.d0, p.d1, p.num_partials}, {p.d1, mat_stride}};
-  moonep_grouped_matmul_dw_Tensor_dw_slots_t dw_slots = {
-      p.dw_slots, {p.d0, p.d1, p.num_slots}, {p.d1, mat_stride}};
+  // dw (D0, D1, mats).
+  auto dw_local = matrices<moonep_grouped_matmul_dw_Tensor_dw_local_t>(p.dw_local, p.num_local,
+                                                                       p.d0, p.d1, false);
+  auto dw_partial = matrices<moonep_grouped_matmul_dw_Tensor_dw_partial_t>(
+      p.dw_partial, p.num_partials, p.d0, p.d1, false);
+  auto dw_slots = matrices<moonep_grouped_matmul_dw_Tensor_dw_slots_t>(p.dw_slots, p.num_slots,
+                                                                       p.d0, p.d1, false);
   moonep_grouped_matmul_dw_Tensor_replica_flags_t flags = {p.replica_flags, {p.num_local}};
   moonep_grouped_matmul_dw_Tensor_cu_seqlens_t cu = {const_cast<int32_t*>(p.cu_seqlens),
                                                      {p.num_groups}};

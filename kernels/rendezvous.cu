@@ -9,7 +9,8 @@ __global__ void entry_rendezvous_kernel(GroupView g, int op_slot, PublishedAddre
   if (threadIdx.x == 0) {
     epoch = next_epoch(g, op_slot);
     for (int i = 0; i < kMailboxesPerOp; ++i) {
-      if (addresses.address[i] != nullptr) publish(g, mailbox_slot(op_slot, i), addresses.address[i]);
+      if (addresses.address[i] != nullptr)
+        publish(g, mailbox_slot(op_slot, i), addresses.address[i]);
     }
   }
   __syncthreads();

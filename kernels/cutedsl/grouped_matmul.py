@@ -186,7 +186,8 @@ class GroupedMatmul:
     def rows_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
                     tma_b_local: cute.CopyAtom, mB_local: cute.Tensor,
                     tma_b_slots: cute.CopyAtom, mB_slots: cute.Tensor, mC: cute.Tensor,
-                    tile_table: cute.Tensor, a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout):
+                    tile_table: cute.Tensor, a_smem_staged: cute.ComposedLayout,
+                    b_smem_staged: cute.ComposedLayout):
         ab_pipeline, sA, sB, _ = self.make_pipeline(a_smem_staged, b_smem_staged)
         num_items = rows_num_items(mC, tile_table)
         first_item, item_stride, warp_idx, tidx = persistent_cta()
