@@ -15,7 +15,7 @@ namespace moonep {
 
 // Rows per M tile of the ragged-M CuTe kernels (TILE_M in grouped_matmul.py) and of the inference
 // overflow kernel (its own CTA tile).
-constexpr int32_t kGroupedMatmulTileM = 256;
+constexpr int32_t kGroupedMatmulTileM = 384;
 constexpr int32_t kGroupedMatmulOverflowTileM = 128;
 
 // Tile-table entries needed at most with `tile_m`-row tiles: ceil(NvS / tile_m) full tiles, plus

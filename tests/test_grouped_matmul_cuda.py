@@ -185,16 +185,17 @@ def test_grouped_matmul_overflow_needs_the_transport():
 # ---- inference overflow: groups of peers' experts, weights read in place ------------------------
 
 OVERFLOW_EPN, OVERFLOW_B = 4, 2
-TILE_ROWS = 256  # M tile of the CuTe kernels (two of the overflow kernel)
 
 
 def _overflow_inputs(rng, R, num_rows, d0, d1):
     """Per rank: group sizes over all G = R*epn + B groups (foreign experts included), rows."""
+    from moonep_jax._cuda.grouped_matmul import tile_m
+
     E = R * OVERFLOW_EPN
     G = E + OVERFLOW_B
     sizes = rng.integers(0, 2 * num_rows // G, (R, G))
     sizes[:, rng.integers(0, G)] = 0                  # an empty group
-    sizes[:, rng.integers(0, G)] += TILE_ROWS + 3     # a group over more than one M tile
+    sizes[:, rng.integers(0, G)] += tile_m() + 3     # a group over more than one M tile
     scale = np.minimum(1.0, (num_rows - 3) / sizes.sum(axis=1, keepdims=True))
     cu_seqlens = np.cumsum(np.floor(sizes * scale), axis=1).astype(np.int32)
     bf16 = lambda shape: rng.standard_normal(shape).astype(jnp.bfloat16)  # noqa: E731

@@ -11,9 +11,10 @@ Three exported kernels share one CTA program (`GroupedMatmul`):
 Ragged M: a tile table `[T, 4] int32` (built on the device by kernels/grouped_matmul.cu) gives, per
 M tile, `(kind, row_start, row_end, mat)`: kind 0 multiplies rows `[row_start, row_end)` by
 `w_local[mat]`, kind 1 by `w_slots[mat]`, kind 2 writes zeros (rows past `cu_seqlens[-1]`),
-kind 3 is an unused table entry. A tile loads `TILE_M` rows starting at `row_start` with TMA (rows
-of the next group, or zeros past the end), and its stores are masked to `[row_start, row_end)`, so a
-tile only ever writes rows of its own group. Weights are never concatenated: `w_local [epn, D0,
+kind 3 is an unused table entry. A tile loads, with TMA, the 128-row chunks of its `TILE_M` rows
+from `row_start` that hold rows of its group (the last one also rows of the next group, or zeros
+past the end), and its stores are masked to `[row_start, row_end)`, so a tile only ever writes
+rows of its own group. Weights are never concatenated: `w_local [epn, D0,
 D1]` and `w_slots [B, D0, D1]` are each one rank-3 TMA tensor whose third mode is the matrix, so
 a K or N tile that runs past D0 or D1 reads zeros, never the next matrix (which may be an unused
 slot holding anything, NaN included: moe_ffn leaves unused slots unwritten).
@@ -38,11 +39,16 @@ the next item's loads. In a ragged-M tile a warp group issues WGMMAs only for it
 hold rows of the group (a separate K loop per block count; an idle warp group only releases the
 stages), so a group's last tile costs MMAs for its rows rounded up to 64.
 
-Tiles are 256 x 128 (M x N): a group of up to 256 rows is one M tile, so its weights stream from
-memory once per N tile. With 128 x 256 tiles the ~170-row groups of a 384-expert plan took two
-M tiles each that both streamed the weights (bench_gemm, gate_up forward at maxvio 0.2: 45 % of
-dense with 128 x 256 tiles, 52 % with 256 x 128, 64-68 % once a warp group also skips its empty
-64-row blocks).
+Ragged-M tiles are 384 x 128 (M x N; each consumer warp group owns three 64-row blocks, 192 fp32
+accumulators per thread, 3 pipeline stages of 64 KB): a group of up to 384 rows is one M tile, so
+its weights stream from memory once per N tile. With 256-row tiles a real EP=2 plan's ~340-row
+groups took a full and a partial tile that each streamed the weights; the partial tile, twice as
+fast through its MMAs, ran ahead of the full one, so both missed L2 (ncu, gate_up forward at the
+R=2 maxvio 1 plan: 29 GB read from DRAM for 11 GB of weights, L2 hit rate 27 %, 62 % of dense).
+Earlier, 128 x 256 tiles had taken two M tiles for the ~170-row groups of a 384-expert plan
+(bench_gemm gate_up forward at maxvio 0.2: 45 % of dense, 52 % with 256 x 128, 64-68 % once a warp
+group also skipped its empty 64-row blocks). dW tiles D0 by 256 (`DW_TILE_M`): its K is the
+group's rows, and its epilogue stages a bf16 tile in shared memory next to 4 pipeline stages.
 """
 
 import cuda.bindings.driver as cuda
@@ -53,7 +59,13 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-TILE_M, TILE_N, TILE_K = 256, 128, 64
+# M x N x K tiles. Ragged M (forward, dX) takes 384 rows: a real plan's groups hold ~S*K*R/E rows
+# (~340 at EP=2), so one tile covers a whole group and its weights stream from memory once per N
+# tile (see the module docstring). dW tiles D0 by 256 (its epilogue stages a tile in shared memory).
+TILE_M, DW_TILE_M, TILE_N, TILE_K = 384, 256, 128, 64
+# Ragged M loads A in 128-row chunks and skips the chunks past the group's end: a tile of a
+# small group would otherwise pull 384 rows of A through L2 for each K tile.
+A_CHUNK_M = 128
 ATOM_M = 64  # rows of one WGMMA; the two consumer warp groups own alternate ATOM_M-row blocks
 # Tile table columns and kinds (the C++ copies are in kernels/constants.h; tests/test_constants.py
 # holds the two equal).
@@ -76,7 +88,7 @@ def rows_num_items(c: cute.Tensor, tile_table: cute.Tensor):
 
 def weight_grad_num_items(dw_local: cute.Tensor, dw_slots: cute.Tensor):
     """Work items of dW: (output matrix, M tile, N tile) triples."""
-    return (cute.ceil_div(cute.size(dw_local, mode=[0]), TILE_M)
+    return (cute.ceil_div(cute.size(dw_local, mode=[0]), DW_TILE_M)
             * cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N)
             * (cute.size(dw_local, mode=[2]) + cute.size(dw_slots, mode=[2])))
 
@@ -95,7 +107,8 @@ class GroupedMatmul:
 
     def __init__(self, ragged_k: bool):
         self.ragged_k = ragged_k
-        self.tile_mnk = (TILE_M, TILE_N, TILE_K)
+        self.tile_m = DW_TILE_M if ragged_k else TILE_M
+        self.tile_mnk = (self.tile_m, TILE_N, TILE_K)
         self.atom_layout_mnk = (2, 1, 1)  # two consumer warp groups, alternate 64-row blocks
         self.num_threads = THREADS_PER_GROUP + NUM_CONSUMER_THREADS
         self.acc_dtype = cutlass.Float32
@@ -109,7 +122,7 @@ class GroupedMatmul:
             self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(),
             b_layout.sm90_mma_major_mode(), self.acc_dtype, self.atom_layout_mnk,
             tiler_mn=(ATOM_M, TILE_N))
-        bytes_per_stage = (TILE_M + TILE_N) * TILE_K * self.ab_dtype.width // 8
+        bytes_per_stage = (self.tile_m + TILE_N) * TILE_K * self.ab_dtype.width // 8
         smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
         self.num_stages = (smem_capacity - 2048 - epilogue_bytes) // bytes_per_stage
         self.a_smem_staged = sm90_utils.make_smem_layout_a(
@@ -124,7 +137,7 @@ class GroupedMatmul:
 
     def _shared_storage(self, epilogue_staged=None):
         """Shared memory: the pipeline's barriers and A/B stages and, with `epilogue_staged`, one
-        `TILE_M x TILE_N` tile that the TMA-store epilogue stages the output in (dW)."""
+        `tile_m x TILE_N` tile that the TMA-store epilogue stages the output in (dW)."""
         def buffer(layout):
             return cute.struct.Align[
                 cute.struct.MemRange[self.ab_dtype, cute.cosize(layout)], self.buffer_align_bytes]
@@ -147,7 +160,12 @@ class GroupedMatmul:
         (table tile, N tile) work items.
         """
         self._setup(a, b_local)
-        tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (TILE_M, TILE_K))
+        # The A stages seen as 128-row chunks, stage s chunk c at index s * chunks + c: the same
+        # bytes as a_smem_staged (K-major, one 128-byte swizzle atom wide, atoms stacked by row).
+        self.a_chunks_staged = sm90_utils.make_smem_layout_a(
+            utils.LayoutEnum.from_tensor(a), (A_CHUNK_M, TILE_N, TILE_K), self.ab_dtype,
+            self.num_stages * (self.tile_m // A_CHUNK_M))
+        tma_a, tma_tensor_a = self._tma_load(a, self.a_chunks_staged, (A_CHUNK_M, TILE_K))
         tma_b_local, tma_tensor_b_local = self._tma_load(
             b_local, self.b_smem_staged, (TILE_N, TILE_K))
         tma_b_slots, tma_tensor_b_slots = self._tma_load(
@@ -156,7 +174,7 @@ class GroupedMatmul:
         num_items = rows_num_items(c, tile_table)
         self.rows_kernel(
             self.tiled_mma, tma_a, tma_tensor_a, tma_b_local, tma_tensor_b_local, tma_b_slots,
-            tma_tensor_b_slots, c, tile_table, self.a_smem_staged,
+            tma_tensor_b_slots, c, tile_table, self.a_smem_staged, self.a_chunks_staged,
             self.b_smem_staged,
         ).launch(grid=(cutlass.min(num_ctas, num_items), 1, 1), block=(self.num_threads, 1, 1),
                  stream=stream)
@@ -164,7 +182,8 @@ class GroupedMatmul:
     @cute.jit
     def rows_item(self, item: cutlass.Int32, mA: cute.Tensor, mB_local: cute.Tensor,
                   mB_slots: cute.Tensor, mC: cute.Tensor, tile_table: cute.Tensor):
-        """Work item -> (kind, row_start, row_end, K tiles, gA, gB_local, gB_slots, n_tile)."""
+        """Work item -> (kind, row_start, row_end, K tiles, gA, gB_local, gB_slots, n_tile);
+        `gA` is (A_CHUNK_M, TILE_K, row chunk, K tile) from `row_start`."""
         num_n_tiles = cute.ceil_div(cute.size(mC, mode=[1]), TILE_N)
         n_tile = item % num_n_tiles
         table_idx = item // num_n_tiles
@@ -177,7 +196,8 @@ class GroupedMatmul:
             num_k_tiles = 0
         if kind == KIND_UNUSED:
             row_end = row_start
-        gA = cute.local_tile(cute.domain_offset((row_start, 0), mA), (TILE_M, TILE_K), (0, None))
+        gA = cute.local_tile(cute.domain_offset((row_start, 0), mA), (A_CHUNK_M, TILE_K),
+                             (None, None))
         gB_local = cute.local_tile(mB_local[None, None, mat], (TILE_N, TILE_K), (n_tile, None))
         gB_slots = cute.local_tile(mB_slots[None, None, mat], (TILE_N, TILE_K), (n_tile, None))
         return kind, row_start, row_end, num_k_tiles, gA, gB_local, gB_slots, n_tile
@@ -187,8 +207,9 @@ class GroupedMatmul:
                     tma_b_local: cute.CopyAtom, mB_local: cute.Tensor,
                     tma_b_slots: cute.CopyAtom, mB_slots: cute.Tensor, mC: cute.Tensor,
                     tile_table: cute.Tensor, a_smem_staged: cute.ComposedLayout,
-                    b_smem_staged: cute.ComposedLayout):
-        ab_pipeline, sA, sB, _ = self.make_pipeline(a_smem_staged, b_smem_staged)
+                    a_chunks_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout):
+        ab_pipeline, sA, sB, storage = self.make_pipeline(a_smem_staged, b_smem_staged)
+        sA_chunks = storage.sA.get_tensor(a_chunks_staged.outer, swizzle=a_chunks_staged.inner)
         num_items = rows_num_items(mC, tile_table)
         first_item, item_stride, warp_idx, tidx = persistent_cta()
         if warp_idx < WARPS_PER_GROUP:
@@ -200,14 +221,19 @@ class GroupedMatmul:
                 producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                         self.num_stages)
                 for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
-                    kind, _, _, num_k_tiles, gA, gB_local, gB_slots, _ = self.rows_item(
-                        item, mA, mB_local, mB_slots, mC, tile_table)
+                    kind, row_start, row_end, num_k_tiles, gA, gB_local, gB_slots, _ = (
+                        self.rows_item(item, mA, mB_local, mB_slots, mC, tile_table))
+                    # row_end is the group's end, which may lie past this tile.
+                    a_chunks = cutlass.min(cute.ceil_div(row_end - row_start, A_CHUNK_M),
+                                           TILE_M // A_CHUNK_M)
                     if kind == KIND_SLOT:
-                        producer = self.load(ab_pipeline, producer, tma_a, gA, sA, tma_b_slots,
-                                             gB_slots, sB, num_k_tiles)
+                        producer = self.load_rows(ab_pipeline, producer, tma_a, gA, sA_chunks,
+                                                  a_chunks, tma_b_slots, gB_slots, sB,
+                                                  num_k_tiles)
                     else:
-                        producer = self.load(ab_pipeline, producer, tma_a, gA, sA, tma_b_local,
-                                             gB_local, sB, num_k_tiles)
+                        producer = self.load_rows(ab_pipeline, producer, tma_a, gA, sA_chunks,
+                                                  a_chunks, tma_b_local, gB_local, sB,
+                                                  num_k_tiles)
                 ab_pipeline.producer_tail(producer)
         else:
             cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
@@ -226,9 +252,9 @@ class GroupedMatmul:
                                              num_k_tiles * TILE_K, row_end - row_start,
                                              first_row, thread)
                 # Store rows [row_start, row_end) of this tile; columns < N (and < D0 for dX).
-                gC = cute.local_tile(cute.domain_offset((row_start, 0), mC), (TILE_M, TILE_N),
-                                     (0, n_tile))
-                cC = cute.local_tile(cute.make_identity_tensor(mC.shape), (TILE_M, TILE_N),
+                gC = cute.local_tile(cute.domain_offset((row_start, 0), mC),
+                                     (self.tile_m, TILE_N), (0, n_tile))
+                cC = cute.local_tile(cute.make_identity_tensor(mC.shape), (self.tile_m, TILE_N),
                                      (0, n_tile))
                 self.store(tiled_mma, thread, accumulators, gC, cC, row_end - row_start,
                            cute.size(mC, mode=[1]))
@@ -251,17 +277,17 @@ class GroupedMatmul:
         matrices of slots without rows unwritten; `num_ctas` persistent CTAs share the
         (matrix, M tile, N tile) work items.
         """
-        self._setup(a, b, epilogue_bytes=TILE_M * TILE_N * a.element_type.width // 8)
-        tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (TILE_M, TILE_K))
+        self._setup(a, b, epilogue_bytes=DW_TILE_M * TILE_N * a.element_type.width // 8)
+        tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (DW_TILE_M, TILE_K))
         tma_b, tma_tensor_b = self._tma_load(b, self.b_smem_staged, (TILE_N, TILE_K))
         # The bf16 tiles of dw_local leave through shared memory and a TMA store, so that the
         # consumers go on to the next tile's MMAs while the store drains (their register
         # stores used to stall them for every tile: dW items have only ~6 K tiles each).
         self.c_smem_staged = sm90_utils.make_smem_layout_epi(
-            self.ab_dtype, utils.LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N), 1)
+            self.ab_dtype, utils.LayoutEnum.ROW_MAJOR, (DW_TILE_M, TILE_N), 1)
         tma_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), dw_local,
-            cute.slice_(self.c_smem_staged, (None, None, 0)), (TILE_M, TILE_N))
+            cute.slice_(self.c_smem_staged, (None, None, 0)), (DW_TILE_M, TILE_N))
         self.shared_storage = self._shared_storage(self.c_smem_staged)
         num_items = weight_grad_num_items(dw_local, dw_slots)
         self.weight_grad_kernel(
@@ -276,7 +302,7 @@ class GroupedMatmul:
                          dw_local: cute.Tensor, dw_slots: cute.Tensor, cu_seqlens: cute.Tensor,
                          ep_rank: cute.Tensor, zero_unused_slots: cutlass.Int32):
         """Work item -> (has_work, mat, m_tile, n_tile, rows, K tiles, gA, gB)."""
-        num_m_tiles = cute.ceil_div(cute.size(dw_local, mode=[0]), TILE_M)
+        num_m_tiles = cute.ceil_div(cute.size(dw_local, mode=[0]), DW_TILE_M)
         num_n_tiles = cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N)
         n_tile = item % num_n_tiles
         m_tile = (item // num_n_tiles) % num_m_tiles
@@ -296,7 +322,7 @@ class GroupedMatmul:
             if mat >= num_local:
                 if num_rows == 0:
                     has_work = 0
-        gA = cute.local_tile(cute.domain_offset((0, row_start), mA), (TILE_M, TILE_K),
+        gA = cute.local_tile(cute.domain_offset((0, row_start), mA), (DW_TILE_M, TILE_K),
                              (m_tile, None))
         gB = cute.local_tile(cute.domain_offset((0, row_start), mB), (TILE_N, TILE_K),
                              (n_tile, None))
@@ -347,7 +373,7 @@ class GroupedMatmul:
                 num_stages=1, producer_group=pipeline.CooperativeGroup(
                     pipeline.Agent.Thread, NUM_CONSUMER_THREADS))
             sC_tile = cute.slice_(sC, (None, None, 0))
-            cC_tile = cute.make_identity_tensor((TILE_M, TILE_N))
+            cC_tile = cute.make_identity_tensor((DW_TILE_M, TILE_N))
             for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
                 has_work, mat, m_tile, n_tile, num_rows, num_k_tiles, _, _ = (
                     self.weight_grad_item(item, mA, mB, dw_local, dw_slots, cu_seqlens, ep_rank,
@@ -355,26 +381,26 @@ class GroupedMatmul:
                 if has_work != 0:
                     read, release = self.consume(ab_pipeline, read, release, tiled_mma, tCrA,
                                                  tCrB, accumulators, sA, sB, num_k_tiles,
-                                                 num_rows, TILE_M, 0, thread)
-                    cC = cute.local_tile(cute.make_identity_tensor((d0, d1)), (TILE_M, TILE_N),
+                                                 num_rows, DW_TILE_M, 0, thread)
+                    cC = cute.local_tile(cute.make_identity_tensor((d0, d1)), (DW_TILE_M, TILE_N),
                                          (m_tile, n_tile))
                     if mat < num_local:
                         to_partial = 0
                         if num_partials > 0:
                             to_partial = replica_flags[mat]
                         if to_partial != 0:
-                            gC = cute.local_tile(dw_partial[None, None, mat], (TILE_M, TILE_N),
+                            gC = cute.local_tile(dw_partial[None, None, mat], (DW_TILE_M, TILE_N),
                                                  (m_tile, n_tile))
                             self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
                         else:
-                            gC = cute.local_tile(mC[None, None, mat], (TILE_M, TILE_N),
+                            gC = cute.local_tile(mC[None, None, mat], (DW_TILE_M, TILE_N),
                                                  (m_tile, n_tile))
                             self.store_through_shared(tiled_mma, thread, accumulators, tma_c,
                                                       c_stores, storer, sC, sC_tile, cC_tile,
                                                       gC)
                     else:
                         gC = cute.local_tile(dw_slots[None, None, mat - num_local],
-                                             (TILE_M, TILE_N), (m_tile, n_tile))
+                                             (DW_TILE_M, TILE_N), (m_tile, n_tile))
                         self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
             if storer:
                 c_stores.producer_tail()
@@ -425,13 +451,43 @@ class GroupedMatmul:
         return producer
 
     @cute.jit
+    def load_rows(self, ab_pipeline, producer, tma_a: cute.CopyAtom, gA: cute.Tensor,
+                  sA_chunks: cute.Tensor, a_chunks: cutlass.Int32, tma_b: cute.CopyAtom,
+                  gB: cute.Tensor, sB: cute.Tensor, num_k_tiles: cutlass.Int32):
+        """`load` for a ragged-M item: only the first `a_chunks` 128-row chunks of A (those that
+        hold the group's rows: a warp group multiplies only 64-row blocks that start below the
+        group's end, and such a block lies in a loaded chunk), so each stage expects the bytes
+        of those chunks and of B."""
+        chunks_per_stage = self.tile_m // A_CHUNK_M
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a, 0, cute.make_layout(1), cute.group_modes(sA_chunks, 0, 2),
+            cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        chunk_bytes = A_CHUNK_M * TILE_K * self.ab_dtype.width // 8
+        stage_bytes = a_chunks * chunk_bytes + TILE_N * TILE_K * self.ab_dtype.width // 8
+        for k_tile in cutlass.range(num_k_tiles, unroll=1):
+            ab_pipeline.sync_object_empty.wait(producer.index, producer.phase)
+            ab_pipeline.sync_object_full.arrive_and_expect_tx(producer.index, stage_bytes)
+            barrier = ab_pipeline.producer_get_barrier(producer)
+            for c in cutlass.range_constexpr(chunks_per_stage):
+                if c < a_chunks:
+                    cute.copy(tma_a, tAgA[(None, c, k_tile)],
+                              tAsA[(None, producer.index * chunks_per_stage + c)],
+                              tma_bar_ptr=barrier)
+            cute.copy(tma_b, tBgB[(None, k_tile)], tBsB[(None, producer.index)],
+                      tma_bar_ptr=barrier)
+            producer.advance()
+        return producer
+
+    @cute.jit
     def consumer_setup(self, tiled_mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor,
                        thread: cutlass.Int32):
         """A consumer thread's WGMMA operand fragments, accumulators and pipeline states."""
         thr_mma = tiled_mma.get_slice((thread // THREADS_PER_GROUP) * THREADS_PER_GROUP)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        accumulators = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TILE_N)),
+        accumulators = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, TILE_N)),
                                              self.acc_dtype)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -455,15 +511,24 @@ class GroupedMatmul:
         """
         accumulators.fill(0.0)
         num_m_blocks = cute.size(tCrA, mode=[1])
+        assert num_m_blocks <= 3, "consume() has a branch for each block count up to 3"
+        # Blocks of this warp group that hold a row of the group: rows first_row + 128 * j.
+        blocks = cutlass.Int32(0)
+        rows_left = valid_rows - first_row
+        if rows_left > 0:
+            blocks = cutlass.min((rows_left + 2 * ATOM_M - 1) // (2 * ATOM_M), num_m_blocks)
         if cutlass.const_expr(self.ragged_k):  # every dW tile is full (and K-tail zeroing syncs
             read, release = self.multiply(   # both warp groups)
                 ab_pipeline, read, release, tiled_mma, tCrA, tCrB, accumulators, sA, sB,
                 num_k_tiles, valid_k, num_m_blocks, thread)
-        elif first_row + (num_m_blocks - 1) * 2 * ATOM_M < valid_rows:
+        elif blocks == num_m_blocks:
             read, release = self.multiply(ab_pipeline, read, release, tiled_mma, tCrA, tCrB,
                                           accumulators, sA, sB, num_k_tiles, valid_k,
                                           num_m_blocks, thread)
-        elif first_row < valid_rows:
+        elif blocks > 1:  # 2 of 3
+            read, release = self.multiply(ab_pipeline, read, release, tiled_mma, tCrA, tCrB,
+                                          accumulators, sA, sB, num_k_tiles, valid_k, 2, thread)
+        elif blocks == 1:
             read, release = self.multiply(ab_pipeline, read, release, tiled_mma, tCrA, tCrB,
                                           accumulators, sA, sB, num_k_tiles, valid_k, 1, thread)
         else:
@@ -520,7 +585,7 @@ class GroupedMatmul:
                     first_invalid_k: cutlass.Int32, thread: cutlass.Int32):
         """Zero K columns `>= first_invalid_k` of stage `stage` of both operand tiles (the two
         consumer warp groups; the producer warp is not part of the named barrier)."""
-        self.zero_columns(sA, TILE_M, stage, first_invalid_k, thread)
+        self.zero_columns(sA, DW_TILE_M, stage, first_invalid_k, thread)
         self.zero_columns(sB, TILE_N, stage, first_invalid_k, thread)
         # The WGMMAs read shared memory through the async proxy.
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -588,14 +653,14 @@ class GroupedMatmul:
         if storer:
             c_stores.producer_acquire()
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
-        self.store(tiled_mma, thread, accumulators, sC_tile, cC_tile, TILE_M, TILE_N)
+        self.store(tiled_mma, thread, accumulators, sC_tile, cC_tile, DW_TILE_M, TILE_N)
         # The TMA unit reads shared memory through the async proxy.
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
         if storer:
             sC_for_tma, gC_for_tma = cute.nvgpu.cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
-                cute.zipped_divide(gC, (TILE_M, TILE_N)))
+                cute.zipped_divide(gC, (DW_TILE_M, TILE_N)))
             cute.copy(tma_c, sC_for_tma[(None, 0)], gC_for_tma[(None, 0)])
             c_stores.producer_commit()
 
