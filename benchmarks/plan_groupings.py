@@ -34,7 +34,8 @@ SEED = 1234
 # problem (R=1, E=192: EP=2's per-rank work), whose groups are the layer step's GEMM groupings.
 LAYOUTS = ((2, E), (8, E), (1, E // 2))
 MAXVIOS = (0.2, 1.0, 10.0, 20.0)
-DEFAULT_TILE_M = 256  # only when the extension cannot be loaded; the record says which was used
+DEFAULT_TILE_M = 384  # only when the extension cannot be loaded (tests/test_constants.py holds it
+# equal to the kernel's TILE_M); the record says which was used
 
 
 def tile_stats(sizes, tile_m: int) -> dict:

@@ -47,6 +47,14 @@ def test_cutedsl_tile_table_constants_equal_the_extensions():
     assert dsl["TILE_M"] == _ffi.lib().GROUPED_MATMUL_TILE_M
 
 
+def test_benchmarks_fallback_tile_height_equals_the_kernels():
+    """benchmarks/plan_groupings.py counts M tiles with DEFAULT_TILE_M when the extension cannot
+    be loaded."""
+    dsl = module_constants(REPO / "kernels" / "cutedsl" / "grouped_matmul.py")
+    benchmarks = module_constants(REPO / "benchmarks" / "plan_groupings.py")
+    assert benchmarks["DEFAULT_TILE_M"] == dsl["TILE_M"]
+
+
 def test_no_kernel_or_handler_keeps_its_own_copy():
     """The C++ side spells these values once, in kernels/constants.h."""
     copy = re.compile(r"INT32_MIN|\b(K|top_k)\b[^\n]{0,12}[<>]=? *32\b|kKind\w+ = \d")
