@@ -685,26 +685,25 @@ def _table():
                                     assumed_align=16)
 
 
+def _compile_rows(options: str, weight_stride_order):
+    """A ragged-M kernel: `a [M, K]`, `w_* (N, K, mats)` with `weight_stride_order`, `c [M, N]`."""
+    gemm = GroupedMatmul(ragged_k=False)
+    a = _bf16((_dim(), _aligned_dim()), (1, 0))
+    w_local = _bf16((_aligned_dim(), _aligned_dim(), _dim()), weight_stride_order)
+    w_slots = _bf16((_aligned_dim(), _aligned_dim(), _dim()), weight_stride_order)
+    c = _bf16((_dim(), _aligned_dim()), (1, 0))
+    return cute.compile(gemm.rows, a, w_local, w_slots, c, _table(), cutlass.Int32(1),
+                        make_fake_stream(), options=options)
+
+
 def compile_forward(options: str):
     """`x [M, D0]`, `w_* (D1, D0, mats)` N-major (row-major `[mats, D0, D1]` memory)."""
-    gemm = GroupedMatmul(ragged_k=False)
-    x = _bf16((_dim(), _aligned_dim()), (1, 0))
-    w_local = _bf16((_aligned_dim(), _aligned_dim(), _dim()), (0, 1, 2))
-    w_slots = _bf16((_aligned_dim(), _aligned_dim(), _dim()), (0, 1, 2))
-    y = _bf16((_dim(), _aligned_dim()), (1, 0))
-    return cute.compile(gemm.rows, x, w_local, w_slots, y, _table(), cutlass.Int32(1),
-                        make_fake_stream(), options=options)
+    return _compile_rows(options, (0, 1, 2))
 
 
 def compile_dx(options: str):
     """`dy [M, D1]`, `w_* (D0, D1, mats)` K-major (row-major `[mats, D0, D1]` memory)."""
-    gemm = GroupedMatmul(ragged_k=False)
-    dy = _bf16((_dim(), _aligned_dim()), (1, 0))
-    w_local = _bf16((_aligned_dim(), _aligned_dim(), _dim()), (1, 0, 2))
-    w_slots = _bf16((_aligned_dim(), _aligned_dim(), _dim()), (1, 0, 2))
-    dx = _bf16((_dim(), _aligned_dim()), (1, 0))
-    return cute.compile(gemm.rows, dy, w_local, w_slots, dx, _table(), cutlass.Int32(1),
-                        make_fake_stream(), options=options)
+    return _compile_rows(options, (1, 0, 2))
 
 
 def compile_dw(options: str):
