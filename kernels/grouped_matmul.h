@@ -25,9 +25,9 @@ inline int32_t grouped_matmul_max_tiles(int32_t num_rows, int32_t num_groups,
   return (num_rows + tile_m - 1) / tile_m + num_groups + 1;
 }
 
-// Rows of the `[rows, 4]` int32 tile-table scratch of the ragged-M kernels: the CuTe tile table,
-// then, when overflow groups are possible, the overflow table (a count row, then one entry per
-// overflow tile of kGroupedMatmulOverflowTileM rows). Python reads it from the extension
+// Rows of the `[rows, kTableColumns]` int32 tile-table scratch of the ragged-M kernels: the CuTe
+// tile table, then, when overflow groups are possible, the overflow table (a count row, then one
+// entry per overflow tile of kGroupedMatmulOverflowTileM rows). Python reads it from the extension
 // (moonep_jax/_cuda/grouped_matmul.py), so the two never disagree.
 inline int32_t grouped_matmul_table_rows(int32_t num_rows, int32_t num_groups, bool overflow) {
   const int32_t tiles = grouped_matmul_max_tiles(num_rows, num_groups);
@@ -57,7 +57,7 @@ struct GroupedMatmulParams {
   void* out;                  // [num_rows, D1 (fwd) | D0 (dX)] bf16
   const int32_t* cu_seqlens;  // [G] inclusive ends
   const int32_t* ep_rank;     // [1] this rank's position on the EP axis (device)
-  int32_t* tile_table;        // [grouped_matmul_table_rows(num_rows, G, overflow), 4] scratch
+  int32_t* tile_table;        // [grouped_matmul_table_rows(num_rows, G, overflow), kTableColumns]
   int32_t num_rows;           // NvS
   int32_t d0, d1;             // D0, D1; both multiples of 8 (TMA strides)
   int32_t num_local;          // epn

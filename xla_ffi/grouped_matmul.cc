@@ -10,6 +10,7 @@
 
 #include <string>
 
+#include "kernels/constants.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/shape_checks.h"
 #include "xla_ffi/transport.h"
@@ -70,9 +71,11 @@ ffi::Error GroupedMatmulRows(moonep::GroupedMatmulOp op, const char* target, cud
   const int64_t num_local = wl[0], num_slots = w_slots.dimensions()[0];
   const bool overflow = num_slots < num_local;
   const int64_t table_rows = moonep::grouped_matmul_table_rows(num_rows, num_groups, overflow);
-  if (!has_shape(tile_table->dimensions(), {table_rows, 4}))
-    return shape_error(target, "tile_table", "[" + std::to_string(table_rows) + ", 4]",
-                       tile_table->dimensions());
+  if (!has_shape(tile_table->dimensions(), {table_rows, moonep::kTableColumns}))
+    return shape_error(
+        target, "tile_table",
+        "[" + std::to_string(table_rows) + ", " + std::to_string(moonep::kTableColumns) + "]",
+        tile_table->dimensions());
   moonep::GroupView group{};
   if (overflow) {
     if (num_groups - num_slots != int64_t{transport.num_ranks} * num_local)
@@ -187,19 +190,19 @@ ffi::Error GroupedMatmulDwImpl(
 
 }  // namespace
 
-#define MOONEP_GROUPED_MATMUL_BINDING                                                        \
-  ffi::Ffi::Bind()                                                                           \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()                                              \
-      .Ctx<ffi::DeviceOrdinal>()                                                             \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* x (fwd) | dy (dX) [NvS, K] */                        \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* w_local [epn, D0, D1] */                             \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* w_slots [B, D0, D1] */                               \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* cu_seqlens [G] */                                    \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* ep_rank [1] */                                       \
-      .Ret<ffi::Buffer<ffi::BF16>>() /* y [NvS, D1] (fwd) | dx [NvS, D0] (dX) */             \
-      .Ret<ffi::Buffer<ffi::S32>>()  /* tile_table scratch [grouped_matmul_table_rows, 4] */ \
-      .Attr<ffi::Span<const int32_t>>("mesh_devices") /* read only if B < epn */             \
-      .Attr<int32_t>("num_ranks")                                                            \
+#define MOONEP_GROUPED_MATMUL_BINDING                                                              \
+  ffi::Ffi::Bind()                                                                                 \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                                                    \
+      .Ctx<ffi::DeviceOrdinal>()                                                                   \
+      .Arg<ffi::Buffer<ffi::BF16>>()                  /* x (fwd) | dy (dX) [NvS, K] */             \
+      .Arg<ffi::Buffer<ffi::BF16>>()                  /* w_local [epn, D0, D1] */                  \
+      .Arg<ffi::Buffer<ffi::BF16>>()                  /* w_slots [B, D0, D1] */                    \
+      .Arg<ffi::Buffer<ffi::S32>>()                   /* cu_seqlens [G] */                         \
+      .Arg<ffi::Buffer<ffi::S32>>()                   /* ep_rank [1] */                            \
+      .Ret<ffi::Buffer<ffi::BF16>>()                  /* y [NvS, D1] (fwd) | dx [NvS, D0] (dX) */  \
+      .Ret<ffi::Buffer<ffi::S32>>()                   /* tile_table [table rows, kTableColumns] */ \
+      .Attr<ffi::Span<const int32_t>>("mesh_devices") /* read only if B < epn */                   \
+      .Attr<int32_t>("num_ranks")                                                                  \
       .Attr<int64_t>("timeout_ns")
 
 // Capture-safe (XLA command buffers / CUDA graphs): the launchers allocate nothing, make no

@@ -40,7 +40,7 @@ PYBIND11_MODULE(_moonep_jax_cuda, m) {
   m.def("registrations", &Registrations, "FFI target name -> handler capsule.");
   m.def("grouped_matmul_table_rows", &moonep::grouped_matmul_table_rows, py::arg("num_rows"),
         py::arg("num_groups"), py::arg("overflow"),
-        "Rows of the grouped GEMM's [rows, 4] int32 tile-table scratch.");
+        "Rows of the grouped GEMM's [rows, TABLE_COLUMNS] int32 tile-table scratch.");
   m.attr("GROUPED_MATMUL_TILE_M") = moonep::kGroupedMatmulTileM;
   m.attr("MAX_PREFETCH_WEIGHTS") = moonep::kMaxPrefetchWeights;
   m.def(

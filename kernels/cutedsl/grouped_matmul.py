@@ -8,16 +8,16 @@ Three exported kernels share one CTA program (`GroupedMatmul`):
   and per slot (ragged K), accumulated in fp32 and stored in bf16 for the local experts no replica
   contributes to, in fp32 for the others (partials that reduce_grad completes) and the slots.
 
-Ragged M: a tile table `[T, 4] int32` (built on the device by kernels/grouped_matmul.cu) gives, per
-M tile, `(kind, row_start, row_end, mat)`: kind 0 multiplies rows `[row_start, row_end)` by
-`w_local[mat]`, kind 1 by `w_slots[mat]`, kind 2 writes zeros (rows past `cu_seqlens[-1]`),
-kind 3 is an unused table entry. A tile loads, with TMA, the 128-row chunks of its `TILE_M` rows
-from `row_start` that hold rows of its group (the last one also rows of the next group, or zeros
-past the end), and its stores are masked to `[row_start, row_end)`, so a tile only ever writes
-rows of its own group. Weights are never concatenated: `w_local [epn, D0,
-D1]` and `w_slots [B, D0, D1]` are each one rank-3 TMA tensor whose third mode is the matrix, so
-a K or N tile that runs past D0 or D1 reads zeros, never the next matrix (which may be an unused
-slot holding anything, NaN included: moe_ffn leaves unused slots unwritten).
+Ragged M: a tile table `[T, TABLE_COLUMNS] int32` (built on the device by kernels/grouped_matmul.cu)
+gives, per M tile, `(kind, row_start, row_end, mat)`: kind 0 multiplies rows `[row_start, row_end)`
+by `w_local[mat]`, kind 1 by `w_slots[mat]`, kind 2 writes zeros (rows past `cu_seqlens[-1]`), kind
+3 is an unused table entry. A tile loads, with TMA, the 128-row chunks of its `TILE_M` rows from
+`row_start` that hold rows of its group (the last one also rows of the next group, or zeros past the
+end), and its stores are masked to `[row_start, row_end)`, so a tile only ever writes rows of its
+own group. Weights are never concatenated: `w_local [epn, D0, D1]` and `w_slots [B, D0, D1]` are
+each one rank-3 TMA tensor whose third mode is the matrix, so a K or N tile that runs past D0 or D1
+reads zeros, never the next matrix (which may be an unused slot holding anything, NaN included:
+moe_ffn leaves unused slots unwritten).
 
 Ragged K (dW): output matrix `j < epn` is local expert `home*epn + j` (group `home*epn + j`),
 `j >= epn` is slot `j - epn` (group `E + j - epn`); the K loop runs over the group's rows. The

@@ -73,7 +73,8 @@ def _rows(target: str, a, w_local, w_slots, cu_seqlens, ep_rank, out_cols: int,
             "(`transport_attrs(cfg)`, inside `jax.shard_map`).")
     aval = jax.typeof(a)
     out_t = aval.update(shape=(a.shape[0], out_cols))
-    table_t = aval.update(shape=(table_rows(a.shape[0], cu_seqlens.shape[0], overflow), 4),
+    columns = _ffi.lib().GROUPED_MATMUL_TABLE_CONSTANTS["TABLE_COLUMNS"]
+    table_t = aval.update(shape=(table_rows(a.shape[0], cu_seqlens.shape[0], overflow), columns),
                           dtype=jnp.int32)
     out, _ = jax.ffi.ffi_call(target, (out_t, table_t))(
         a, w_local, w_slots, cu_seqlens, ep_rank, **(transport if overflow else _NO_TRANSPORT))
