@@ -48,7 +48,7 @@ R=2 maxvio 1 plan: 29 GB read from DRAM for 11 GB of weights, L2 hit rate 27 %, 
 Earlier, 128 x 256 tiles had taken two M tiles for the ~170-row groups of a 384-expert plan
 (bench_gemm gate_up forward at maxvio 0.2: 45 % of dense, 52 % with 256 x 128, 64-68 % once a warp
 group also skipped its empty 64-row blocks). dW tiles D0 by 256 (`DW_TILE_M`): its K is the
-group's rows, and its epilogue stages a bf16 tile in shared memory next to 4 pipeline stages.
+group's rows, and its epilogue stages a bf16 tile in shared memory next to 3 pipeline stages.
 """
 
 import cuda.bindings.driver as cuda
