@@ -41,8 +41,9 @@ the dense floor measured in the same process (the same S*K rows through ONE dens
 dense GEMMs, `jax.value_and_grad`), their ratio, each point's groups and M tiles, and the memory of
 the compiled step. Median of --reps (20) after 2 warm-ups; about a minute of GPU time after
 compiles. `--ncu` first re-runs exactly one step under ncu (the recipe of
-shared/examples/profile_layer/run_ncu.sh; needs ncu and CuPy or libnvToolsExt) and folds the per-kernel times into the record by category
-(grouped GEMM fwd/dX, dW, converts, reduce_grad, dispatch/combine, rest); the raw CSV goes to
+shared/examples/profile_layer/run_ncu.sh; needs ncu and CuPy or libnvToolsExt) and folds the
+per-kernel times into the record by category (grouped GEMM fwd/dX, dW, converts, reduce_grad,
+dispatch/combine, rest); the raw CSV goes to
 `--out` (or /tmp). Writes `bench_layer_<gpu>x1_onegpu.json` and `.png`. `--one-gpu --quick` is a
 CPU smoke test (implementation xla, E=16).
 

@@ -16,6 +16,7 @@
 #include "xla_ffi/transport.h"
 
 namespace ffi = xla::ffi;
+using moonep::dims_str;
 using moonep::has_shape;
 using moonep::shape_error;
 
@@ -72,10 +73,8 @@ ffi::Error GroupedMatmulRows(moonep::GroupedMatmulOp op, const char* target, cud
   const bool overflow = num_slots < num_local;
   const int64_t table_rows = moonep::grouped_matmul_table_rows(num_rows, num_groups, overflow);
   if (!has_shape(tile_table->dimensions(), {table_rows, moonep::kTableColumns}))
-    return shape_error(
-        target, "tile_table",
-        "[" + std::to_string(table_rows) + ", " + std::to_string(moonep::kTableColumns) + "]",
-        tile_table->dimensions());
+    return shape_error(target, "tile_table", dims_str({table_rows, moonep::kTableColumns}),
+                       tile_table->dimensions());
   moonep::GroupView group{};
   if (overflow) {
     if (num_groups - num_slots != int64_t{transport.num_ranks} * num_local)

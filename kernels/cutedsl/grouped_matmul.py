@@ -66,6 +66,7 @@ TILE_M, DW_TILE_M, TILE_N, TILE_K = 384, 256, 128, 64
 # Ragged M loads A in 128-row chunks and skips the chunks past the group's end: a tile of a
 # small group would otherwise pull 384 rows of A through L2 for each K tile.
 A_CHUNK_M = 128
+A_CHUNKS = TILE_M // A_CHUNK_M  # chunks of a ragged-M tile
 ATOM_M = 64  # rows of one WGMMA; the two consumer warp groups own alternate ATOM_M-row blocks
 # Tile table columns and kinds (the C++ copies are in kernels/constants.h; tests/test_constants.py
 # holds the two equal).
@@ -164,7 +165,7 @@ class GroupedMatmul:
         # bytes as a_smem_staged (K-major, one 128-byte swizzle atom wide, atoms stacked by row).
         self.a_chunks_staged = sm90_utils.make_smem_layout_a(
             utils.LayoutEnum.from_tensor(a), (A_CHUNK_M, TILE_N, TILE_K), self.ab_dtype,
-            self.num_stages * (self.tile_m // A_CHUNK_M))
+            self.num_stages * A_CHUNKS)
         tma_a, tma_tensor_a = self._tma_load(a, self.a_chunks_staged, (A_CHUNK_M, TILE_K))
         tma_b_local, tma_tensor_b_local = self._tma_load(
             b_local, self.b_smem_staged, (TILE_N, TILE_K))
@@ -225,7 +226,7 @@ class GroupedMatmul:
                         self.rows_item(item, mA, mB_local, mB_slots, mC, tile_table))
                     # row_end is the group's end, which may lie past this tile.
                     a_chunks = cutlass.min(cute.ceil_div(row_end - row_start, A_CHUNK_M),
-                                           TILE_M // A_CHUNK_M)
+                                           A_CHUNKS)
                     if kind == KIND_SLOT:
                         producer = self.load_rows(ab_pipeline, producer, tma_a, gA, sA_chunks,
                                                   a_chunks, tma_b_slots, gB_slots, sB,
@@ -458,7 +459,6 @@ class GroupedMatmul:
         hold the group's rows: a warp group multiplies only 64-row blocks that start below the
         group's end, and such a block lies in a loaded chunk), so each stage expects the bytes
         of those chunks and of B."""
-        chunks_per_stage = self.tile_m // A_CHUNK_M
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA_chunks, 0, 2),
             cute.group_modes(gA, 0, 2))
@@ -470,10 +470,10 @@ class GroupedMatmul:
             ab_pipeline.sync_object_empty.wait(producer.index, producer.phase)
             ab_pipeline.sync_object_full.arrive_and_expect_tx(producer.index, stage_bytes)
             barrier = ab_pipeline.producer_get_barrier(producer)
-            for c in cutlass.range_constexpr(chunks_per_stage):
+            for c in cutlass.range_constexpr(A_CHUNKS):
                 if c < a_chunks:
                     cute.copy(tma_a, tAgA[(None, c, k_tile)],
-                              tAsA[(None, producer.index * chunks_per_stage + c)],
+                              tAsA[(None, producer.index * A_CHUNKS + c)],
                               tma_bar_ptr=barrier)
             cute.copy(tma_b, tBgB[(None, k_tile)], tBsB[(None, producer.index)],
                       tma_bar_ptr=barrier)
