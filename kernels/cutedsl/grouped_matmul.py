@@ -55,7 +55,7 @@ forward at the R=2 maxvio 1 plan: 29 GB read from DRAM for 11 GB of weights, L2 
 of dense). Earlier, 128 x 256 tiles had taken two M tiles for the ~170-row groups of a 384-expert
 plan (bench_gemm gate_up forward at maxvio 0.2: 45 % of dense, 52 % with 256 x 128, 64-68 % once a
 warp group also skipped its empty 64-row blocks). dW tiles D0 by 256 (`DW_TILE_M`): its K is the
-group's rows, and its epilogue stages a bf16 tile in shared memory next to 4 pipeline stages.
+group's rows, and its epilogue stages a bf16 tile in shared memory next to 3 pipeline stages.
 """
 
 import cuda.bindings.driver as cuda
@@ -98,7 +98,8 @@ def rows_num_items(c: cute.Tensor, tile_table: cute.Tensor):
 def tile_chunks(row_start: cutlass.Int32, row_end: cutlass.Int32):
     """A_CHUNK_M-row chunks of a ragged-M tile that hold rows of its group: the slots of A its K
     tiles take (row_end is the group's end, which may lie past the tile)."""
-    return cutlass.min(cute.ceil_div(row_end - row_start, A_CHUNK_M), TILE_M // A_CHUNK_M)
+    return cutlass.max(cutlass.min(cute.ceil_div(row_end - row_start, A_CHUNK_M),
+                                   TILE_M // A_CHUNK_M), 0)
 
 
 def weight_grad_num_items(dw_local: cute.Tensor, dw_slots: cute.Tensor):
@@ -175,8 +176,11 @@ class GroupedMatmul:
         """
         # Stage s of the ring is one slot: an A chunk (a_smem_staged's view of it) or a B tile
         # (b_smem_staged's), both A_CHUNK_M (= TILE_N) x TILE_K.
+        assert TILE_N == A_CHUNK_M, "an A chunk and a B tile share one slot size"
         self._setup(a, b_local, (A_CHUNK_M, TILE_N, TILE_K),
                     stage_bytes=A_CHUNK_M * TILE_K * a.element_type.width // 8)
+        # A warp group holds a K tile's slots while it waits for the next one's.
+        assert self.num_stages >= 2 * (TILE_M // A_CHUNK_M + 1), "the slot ring is too small"
         tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (A_CHUNK_M, TILE_K))
         tma_b_local, tma_tensor_b_local = self._tma_load(
             b_local, self.b_smem_staged, (TILE_N, TILE_K))
@@ -582,21 +586,26 @@ class GroupedMatmul:
             for _ in cutlass.range(slots, unroll=1):
                 ab_pipeline.consumer_wait(read)
                 read.advance()
-            b_slot = (first_slot + a_chunks) % self.num_stages
-            cute.nvgpu.warpgroup.fence()
-            for k_block in cutlass.range_constexpr(num_k_blocks):
-                for c in cutlass.range_constexpr(m_blocks):
-                    a_slot = (first_slot + c) % self.num_stages
-                    cute.gemm(tiled_mma, accumulators[c], tCrA[(None, None, k_block, a_slot)],
-                              tCrB[(None, None, k_block, b_slot)], accumulators[c])
-            cute.nvgpu.warpgroup.commit_group()
-            # Keep one K tile of WGMMAs in flight: the one before it is done with its slots.
-            cute.nvgpu.warpgroup.wait_group(1)
+            # A warp group without rows only passes the slots on: an empty WGMMA group would
+            # still cost a dummy HGMMA and a wait.
+            if cutlass.const_expr(m_blocks > 0):
+                b_slot = (first_slot + a_chunks) % self.num_stages
+                cute.nvgpu.warpgroup.fence()
+                for k_block in cutlass.range_constexpr(num_k_blocks):
+                    for c in cutlass.range_constexpr(m_blocks):
+                        a_slot = (first_slot + c) % self.num_stages
+                        cute.gemm(tiled_mma, accumulators[c],
+                                  tCrA[(None, None, k_block, a_slot)],
+                                  tCrB[(None, None, k_block, b_slot)], accumulators[c])
+                cute.nvgpu.warpgroup.commit_group()
+                # Keep one K tile of WGMMAs in flight: the one before it is done with its slots.
+                cute.nvgpu.warpgroup.wait_group(1)
             if k_tile > 0:
                 for _ in cutlass.range(slots, unroll=1):
                     ab_pipeline.consumer_release(release)
                     release.advance()
-        cute.nvgpu.warpgroup.wait_group(0)
+        if cutlass.const_expr(m_blocks > 0):
+            cute.nvgpu.warpgroup.wait_group(0)
         if num_k_tiles > 0:
             for _ in cutlass.range(slots, unroll=1):
                 ab_pipeline.consumer_release(release)
