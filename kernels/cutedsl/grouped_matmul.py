@@ -39,15 +39,22 @@ the next item's loads. In a ragged-M tile a warp group issues WGMMAs only for it
 hold rows of the group (a separate K loop per block count; an idle warp group only releases the
 stages), so a group's last tile costs MMAs for its rows rounded up to 64.
 
-Ragged-M tiles are 384 x 128 (M x N; each consumer warp group owns three 64-row blocks, 192 fp32
-accumulators per thread, 3 pipeline stages of 64 KB): a group of up to 384 rows is one M tile, so
-its weights stream from memory once per N tile. With 256-row tiles a real EP=2 plan's ~340-row
-groups took a full and a partial tile that each streamed the weights; the partial tile, twice as
-fast through its MMAs, ran ahead of the full one, so both missed L2 (ncu, gate_up forward at the
-R=2 maxvio 1 plan: 29 GB read from DRAM for 11 GB of weights, L2 hit rate 27 %, 62 % of dense).
-Earlier, 128 x 256 tiles had taken two M tiles for the ~170-row groups of a 384-expert plan
-(bench_gemm gate_up forward at maxvio 0.2: 45 % of dense, 52 % with 256 x 128, 64-68 % once a warp
-group also skipped its empty 64-row blocks). dW tiles D0 by 256 (`DW_TILE_M`): its K is the
+Ragged-M tiles are 384 x 128 (M x N; each consumer warp group owns one 64-row block of each of the
+three 128-row chunks, 192 fp32 accumulators per thread): a group of up to 384 rows is one M tile, so
+its weights stream from memory once per N tile. Ragged M stages its operands in a ring of 16 KB
+slots (14 in the shared memory), each one 128 x 64 tile: an A chunk or the B tile. A K tile takes a
+slot per A chunk that holds rows of the group and one for B, so a tile of up to 128 rows keeps 7 K
+tiles in flight and a full one 3.5. With stages of a fixed 64 KB (3, A for 384 rows and B) a small
+group's tile filled each stage only to 32 KB and waited on memory latency: at high skew every extra
+tile cost ~19 us, half of what an average tile costs (bench_gemm, gate_up forward, fitted over the
+groupings), while the SMs stayed busy (ncu: active 96 % of the time at maxvio 0.2 and 20) and the
+tensor pipes fell from 81 % to 61 %. Not yet measured on a GPU. With 256-row tiles a real EP=2
+plan's ~340-row groups took a full and a partial tile that each streamed the weights; the partial
+tile, twice as fast through its MMAs, ran ahead of the full one, so both missed L2 (ncu, gate_up
+forward at the R=2 maxvio 1 plan: 29 GB read from DRAM for 11 GB of weights, L2 hit rate 27 %, 62 %
+of dense). Earlier, 128 x 256 tiles had taken two M tiles for the ~170-row groups of a 384-expert
+plan (bench_gemm gate_up forward at maxvio 0.2: 45 % of dense, 52 % with 256 x 128, 64-68 % once a
+warp group also skipped its empty 64-row blocks). dW tiles D0 by 256 (`DW_TILE_M`): its K is the
 group's rows, and its epilogue stages a bf16 tile in shared memory next to 3 pipeline stages.
 """
 
@@ -63,11 +70,12 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 # (~340 at EP=2), so one tile covers a whole group and its weights stream from memory once per N
 # tile (see the module docstring). dW tiles D0 by 256 (its epilogue stages a tile in shared memory).
 TILE_M, DW_TILE_M, TILE_N, TILE_K = 384, 256, 128, 64
-# Ragged M loads A in 128-row chunks and skips the chunks past the group's end: a tile of a
-# small group would otherwise pull 384 rows of A through L2 for each K tile.
+# Ragged M loads A in 128-row chunks, each into a slot of its own, and skips the chunks past the
+# group's end: a tile of a small group would otherwise pull 384 rows of A through L2 for each K
+# tile, and take the shared memory of a full tile.
 A_CHUNK_M = 128
 A_CHUNKS = TILE_M // A_CHUNK_M  # chunks of a ragged-M tile
-ATOM_M = 64  # rows of one WGMMA; the two consumer warp groups own alternate ATOM_M-row blocks
+ATOM_M = 64  # rows of one WGMMA; the two consumer warp groups own the two halves of a chunk
 # Tile table columns and kinds (the C++ copies are in kernels/constants.h; tests/test_constants.py
 # holds the two equal).
 KIND_LOCAL, KIND_SLOT, KIND_ZERO, KIND_UNUSED = 0, 1, 2, 3
@@ -87,6 +95,13 @@ def rows_num_items(c: cute.Tensor, tile_table: cute.Tensor):
     return cute.ceil_div(cute.size(c, mode=[1]), TILE_N) * cute.size(tile_table, mode=[0])
 
 
+@cute.jit
+def tile_chunks(row_start: cutlass.Int32, row_end: cutlass.Int32):
+    """A_CHUNK_M-row chunks of a ragged-M tile that hold rows of its group: the slots of A its K
+    tiles take (row_end is the group's end, which may lie past the tile)."""
+    return cutlass.max(cutlass.min(cute.ceil_div(row_end - row_start, A_CHUNK_M), A_CHUNKS), 0)
+
+
 def weight_grad_num_items(dw_local: cute.Tensor, dw_slots: cute.Tensor):
     """Work items of dW: (output matrix, M tile, N tile) triples."""
     return (cute.ceil_div(cute.size(dw_local, mode=[0]), DW_TILE_M)
@@ -104,18 +119,19 @@ def persistent_cta():
 
 
 class GroupedMatmul:
-    """One CTA program for the three grouped GEMMs; `ragged_k` selects dW."""
+    """One CTA program for the three grouped GEMMs: `rows` (forward, dX) and `weight_grad`."""
 
-    def __init__(self, ragged_k: bool):
-        self.ragged_k = ragged_k
-        self.tile_m = DW_TILE_M if ragged_k else TILE_M
-        self.tile_mnk = (self.tile_m, TILE_N, TILE_K)
+    def __init__(self):
         self.atom_layout_mnk = (2, 1, 1)  # two consumer warp groups, alternate 64-row blocks
         self.num_threads = THREADS_PER_GROUP + NUM_CONSUMER_THREADS
         self.acc_dtype = cutlass.Float32
         self.buffer_align_bytes = 1024
 
-    def _setup(self, a: cute.Tensor, b: cute.Tensor, epilogue_bytes: int = 0):
+    def _setup(self, a: cute.Tensor, b: cute.Tensor, tile_mnk, stage_bytes: int,
+               reserved_bytes: int = 0):
+        """The tiled MMA and `num_stages` stages of `stage_bytes` in the shared memory left after
+        `reserved_bytes`; `a_smem_staged` and `b_smem_staged` stage A and B tiles of `tile_mnk`
+        (their bytes per stage need not be `stage_bytes`: ragged M views one buffer both ways)."""
         self.ab_dtype = a.element_type
         a_layout = utils.LayoutEnum.from_tensor(a)
         b_layout = utils.LayoutEnum.from_tensor(b)
@@ -123,30 +139,28 @@ class GroupedMatmul:
             self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(),
             b_layout.sm90_mma_major_mode(), self.acc_dtype, self.atom_layout_mnk,
             tiler_mn=(ATOM_M, TILE_N))
-        bytes_per_stage = (self.tile_m + TILE_N) * TILE_K * self.ab_dtype.width // 8
         smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
-        self.num_stages = (smem_capacity - 2048 - epilogue_bytes) // bytes_per_stage
+        self.stage_bytes = stage_bytes
+        self.num_stages = (smem_capacity - 2048 - reserved_bytes) // stage_bytes
         self.a_smem_staged = sm90_utils.make_smem_layout_a(
-            a_layout, self.tile_mnk, self.ab_dtype, self.num_stages)
+            a_layout, tile_mnk, self.ab_dtype, self.num_stages)
         self.b_smem_staged = sm90_utils.make_smem_layout_b(
-            b_layout, self.tile_mnk, self.ab_dtype, self.num_stages)
+            b_layout, tile_mnk, self.ab_dtype, self.num_stages)
 
     def _tma_load(self, tensor: cute.Tensor, smem_staged, tile_shape):
         return cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), tensor,
             cute.slice_(smem_staged, (None, None, 0)), tile_shape)
 
-    def _shared_storage(self, epilogue_staged=None):
-        """Shared memory: the pipeline's barriers and A/B stages and, with `epilogue_staged`, one
-        `tile_m x TILE_N` tile that the TMA-store epilogue stages the output in (dW)."""
+    def _shared_storage(self, **buffers):
+        """Shared memory: the pipeline's barriers, then one buffer per keyword, each as large as
+        the cosize of the layout it is given."""
         def buffer(layout):
             return cute.struct.Align[
                 cute.struct.MemRange[self.ab_dtype, cute.cosize(layout)], self.buffer_align_bytes]
 
         fields = {"pipeline_barriers": cute.struct.MemRange[cutlass.Int64, self.num_stages * 2],
-                  "sA": buffer(self.a_smem_staged), "sB": buffer(self.b_smem_staged)}
-        if epilogue_staged is not None:
-            fields["sC"] = buffer(epilogue_staged)
+                  **{name: buffer(layout) for name, layout in buffers.items()}}
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ---- ragged M: forward and dX ------------------------------------------------------------
@@ -160,23 +174,23 @@ class GroupedMatmul:
         of the last mode), `c [M, N]`; `num_ctas` persistent CTAs (one per SM) share the
         (table tile, N tile) work items.
         """
-        self._setup(a, b_local)
-        # The A stages seen as 128-row chunks, stage s chunk c at index s * chunks + c: the same
-        # bytes as a_smem_staged (K-major, one 128-byte swizzle atom wide, atoms stacked by row).
-        self.a_chunks_staged = sm90_utils.make_smem_layout_a(
-            utils.LayoutEnum.from_tensor(a), (A_CHUNK_M, TILE_N, TILE_K), self.ab_dtype,
-            self.num_stages * A_CHUNKS)
-        tma_a, tma_tensor_a = self._tma_load(a, self.a_chunks_staged, (A_CHUNK_M, TILE_K))
+        # Stage s of the ring is one slot: an A chunk (a_smem_staged's view of it) or a B tile
+        # (b_smem_staged's), both A_CHUNK_M (= TILE_N) x TILE_K.
+        assert TILE_N == A_CHUNK_M, "an A chunk and a B tile share one slot size"
+        self._setup(a, b_local, (A_CHUNK_M, TILE_N, TILE_K),
+                    stage_bytes=A_CHUNK_M * TILE_K * a.element_type.width // 8)
+        # A warp group holds a K tile's slots while it waits for the next one's.
+        assert self.num_stages >= 2 * (A_CHUNKS + 1), "the slot ring is too small"
+        tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (A_CHUNK_M, TILE_K))
         tma_b_local, tma_tensor_b_local = self._tma_load(
             b_local, self.b_smem_staged, (TILE_N, TILE_K))
         tma_b_slots, tma_tensor_b_slots = self._tma_load(
             b_slots, self.b_smem_staged, (TILE_N, TILE_K))
-        self.shared_storage = self._shared_storage()
+        self.shared_storage = self._shared_storage(slots=self.a_smem_staged)
         num_items = rows_num_items(c, tile_table)
         self.rows_kernel(
             self.tiled_mma, tma_a, tma_tensor_a, tma_b_local, tma_tensor_b_local, tma_b_slots,
-            tma_tensor_b_slots, c, tile_table, self.a_smem_staged, self.a_chunks_staged,
-            self.b_smem_staged,
+            tma_tensor_b_slots, c, tile_table, self.a_smem_staged, self.b_smem_staged,
         ).launch(grid=(cutlass.min(num_ctas, num_items), 1, 1), block=(self.num_threads, 1, 1),
                  stream=stream)
 
@@ -207,10 +221,11 @@ class GroupedMatmul:
     def rows_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
                     tma_b_local: cute.CopyAtom, mB_local: cute.Tensor,
                     tma_b_slots: cute.CopyAtom, mB_slots: cute.Tensor, mC: cute.Tensor,
-                    tile_table: cute.Tensor, a_smem_staged: cute.ComposedLayout,
-                    a_chunks_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout):
-        ab_pipeline, sA, sB, storage = self.make_pipeline(a_smem_staged, b_smem_staged)
-        sA_chunks = storage.sA.get_tensor(a_chunks_staged.outer, swizzle=a_chunks_staged.inner)
+                    tile_table: cute.Tensor, a_slots: cute.ComposedLayout,
+                    b_slots: cute.ComposedLayout):
+        ab_pipeline, storage = self.make_pipeline()
+        sA = storage.slots.get_tensor(a_slots.outer, swizzle=a_slots.inner)
+        sB = storage.slots.get_tensor(b_slots.outer, swizzle=b_slots.inner)
         num_items = rows_num_items(mC, tile_table)
         first_item, item_stride, warp_idx, tidx = persistent_cta()
         if warp_idx < WARPS_PER_GROUP:
@@ -224,41 +239,40 @@ class GroupedMatmul:
                 for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
                     kind, row_start, row_end, num_k_tiles, gA, gB_local, gB_slots, _ = (
                         self.rows_item(item, mA, mB_local, mB_slots, mC, tile_table))
-                    # row_end is the group's end, which may lie past this tile.
-                    a_chunks = cutlass.min(cute.ceil_div(row_end - row_start, A_CHUNK_M),
-                                           A_CHUNKS)
+                    a_chunks = tile_chunks(row_start, row_end)
                     if kind == KIND_SLOT:
-                        producer = self.load_rows(ab_pipeline, producer, tma_a, gA, sA_chunks,
-                                                  a_chunks, tma_b_slots, gB_slots, sB,
-                                                  num_k_tiles)
+                        producer = self.load_rows(ab_pipeline, producer, tma_a, gA, sA, a_chunks,
+                                                  tma_b_slots, gB_slots, sB, num_k_tiles)
                     else:
-                        producer = self.load_rows(ab_pipeline, producer, tma_a, gA, sA_chunks,
-                                                  a_chunks, tma_b_local, gB_local, sB,
-                                                  num_k_tiles)
+                        producer = self.load_rows(ab_pipeline, producer, tma_a, gA, sA, a_chunks,
+                                                  tma_b_local, gB_local, sB, num_k_tiles)
                 ab_pipeline.producer_tail(producer)
         else:
             cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
             thread = tidx - THREADS_PER_GROUP
-            # This warp group's first row in a tile (the warp groups take turns by ATOM_M rows),
-            # from the warp-uniform warp index: ptxas serialises WGMMAs under a branch it cannot
-            # prove uniform.
+            # This warp group's first row in a chunk (the warp groups take the two ATOM_M-row
+            # halves of every chunk), from the warp-uniform warp index: ptxas serialises WGMMAs
+            # under a branch it cannot prove uniform.
             first_row = (warp_idx // WARPS_PER_GROUP - 1) * ATOM_M
-            tCrA, tCrB, accumulators, read, release = self.consumer_setup(tiled_mma, sA, sB,
-                                                                          thread)
+            # One accumulator per chunk: this warp group's ATOM_M x TILE_N block of it.
+            tCrA, tCrB, accumulators, read, release = self.consumer_setup(
+                tiled_mma, sA, sB, thread, (A_CHUNK_M, TILE_N), A_CHUNKS)
             for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
                 kind, row_start, row_end, num_k_tiles, _, _, _, n_tile = self.rows_item(
                     item, mA, mB_local, mB_slots, mC, tile_table)
-                read, release = self.consume(ab_pipeline, read, release, tiled_mma, tCrA, tCrB,
-                                             accumulators, sA, sB, num_k_tiles,
-                                             num_k_tiles * TILE_K, row_end - row_start,
-                                             first_row, thread)
-                # Store rows [row_start, row_end) of this tile; columns < N (and < D0 for dX).
-                gC = cute.local_tile(cute.domain_offset((row_start, 0), mC),
-                                     (self.tile_m, TILE_N), (0, n_tile))
-                cC = cute.local_tile(cute.make_identity_tensor(mC.shape), (self.tile_m, TILE_N),
+                read, release = self.consume_rows(
+                    ab_pipeline, read, release, tiled_mma, tCrA, tCrB, accumulators,
+                    num_k_tiles, tile_chunks(row_start, row_end), row_end - row_start,
+                    first_row)
+                # Store rows [row_start, row_end) of this tile, chunk by chunk; columns < N
+                # (and < D0 for dX).
+                cC = cute.local_tile(cute.make_identity_tensor(mC.shape), (A_CHUNK_M, TILE_N),
                                      (0, n_tile))
-                self.store(tiled_mma, thread, accumulators, gC, cC, row_end - row_start,
-                           cute.size(mC, mode=[1]))
+                for c in cutlass.range_constexpr(A_CHUNKS):
+                    gC = cute.local_tile(cute.domain_offset((row_start + c * A_CHUNK_M, 0), mC),
+                                         (A_CHUNK_M, TILE_N), (0, n_tile))
+                    self.store(tiled_mma, thread, accumulators[c], gC, cC,
+                               row_end - row_start - c * A_CHUNK_M, cute.size(mC, mode=[1]))
 
     # ---- ragged K: dW -------------------------------------------------------------------------
 
@@ -278,7 +292,9 @@ class GroupedMatmul:
         matrices of slots without rows unwritten; `num_ctas` persistent CTAs share the
         (matrix, M tile, N tile) work items.
         """
-        self._setup(a, b, epilogue_bytes=DW_TILE_M * TILE_N * a.element_type.width // 8)
+        self._setup(a, b, (DW_TILE_M, TILE_N, TILE_K),
+                    stage_bytes=(DW_TILE_M + TILE_N) * TILE_K * a.element_type.width // 8,
+                    reserved_bytes=DW_TILE_M * TILE_N * a.element_type.width // 8)
         tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (DW_TILE_M, TILE_K))
         tma_b, tma_tensor_b = self._tma_load(b, self.b_smem_staged, (TILE_N, TILE_K))
         # The bf16 tiles of dw_local leave through shared memory and a TMA store, so that the
@@ -289,7 +305,8 @@ class GroupedMatmul:
         tma_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), dw_local,
             cute.slice_(self.c_smem_staged, (None, None, 0)), (DW_TILE_M, TILE_N))
-        self.shared_storage = self._shared_storage(self.c_smem_staged)
+        self.shared_storage = self._shared_storage(sA=self.a_smem_staged, sB=self.b_smem_staged,
+                                                   sC=self.c_smem_staged)
         num_items = weight_grad_num_items(dw_local, dw_slots)
         self.weight_grad_kernel(
             self.tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c,
@@ -340,7 +357,9 @@ class GroupedMatmul:
                            a_smem_staged: cute.ComposedLayout,
                            b_smem_staged: cute.ComposedLayout,
                            c_smem_staged: cute.ComposedLayout):
-        ab_pipeline, sA, sB, storage = self.make_pipeline(a_smem_staged, b_smem_staged)
+        ab_pipeline, storage = self.make_pipeline()
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sC = storage.sC.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
         num_items = weight_grad_num_items(dw_local, dw_slots)
         first_item, item_stride, warp_idx, tidx = persistent_cta()
@@ -361,8 +380,8 @@ class GroupedMatmul:
         else:
             cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
             thread = tidx - THREADS_PER_GROUP
-            tCrA, tCrB, accumulators, read, release = self.consumer_setup(tiled_mma, sA, sB,
-                                                                          thread)
+            tCrA, tCrB, (accumulators,), read, release = self.consumer_setup(
+                tiled_mma, sA, sB, thread, (DW_TILE_M, TILE_N), 1)
             d0 = cute.size(dw_local, mode=[0])
             d1 = cute.size(dw_local, mode=[1])
             num_local = cute.size(dw_local, mode=[2])
@@ -382,7 +401,7 @@ class GroupedMatmul:
                 if has_work != 0:
                     read, release = self.consume(ab_pipeline, read, release, tiled_mma, tCrA,
                                                  tCrB, accumulators, sA, sB, num_k_tiles,
-                                                 num_rows, DW_TILE_M, 0, thread)
+                                                 num_rows, thread)
                     cC = cute.local_tile(cute.make_identity_tensor((d0, d1)), (DW_TILE_M, TILE_N),
                                          (m_tile, n_tile))
                     if mat < num_local:
@@ -409,16 +428,11 @@ class GroupedMatmul:
     # ---- shared pieces ------------------------------------------------------------------------
 
     @cute.jit
-    def make_pipeline(self, a_smem_staged: cute.ComposedLayout,
-                      b_smem_staged: cute.ComposedLayout):
-        """Shared memory and the TMA -> consumer pipeline (every thread; ends with a CTA sync)."""
+    def make_pipeline(self):
+        """Shared memory and the TMA -> consumer pipeline of `num_stages` stages of
+        `stage_bytes` (every thread; ends with a CTA sync)."""
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
-        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-        tma_bytes = (cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
-                     + cute.size_in_bytes(self.ab_dtype,
-                                          cute.slice_(b_smem_staged, (None, None, 0))))
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.pipeline_barriers.data_ptr(),
             num_stages=self.num_stages,
@@ -426,10 +440,10 @@ class GroupedMatmul:
             # One arrive per consumer warp (its lane 0) releases a stage.
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                      NUM_CONSUMER_THREADS // 32),
-            tx_count=tma_bytes,
+            tx_count=self.stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
-        return ab_pipeline, sA, sB, storage
+        return ab_pipeline, storage
 
     @cute.jit
     def load(self, ab_pipeline, producer, tma_a: cute.CopyAtom, gA: cute.Tensor,
@@ -453,42 +467,38 @@ class GroupedMatmul:
 
     @cute.jit
     def load_rows(self, ab_pipeline, producer, tma_a: cute.CopyAtom, gA: cute.Tensor,
-                  sA_chunks: cute.Tensor, a_chunks: cutlass.Int32, tma_b: cute.CopyAtom,
+                  sA: cute.Tensor, a_chunks: cutlass.Int32, tma_b: cute.CopyAtom,
                   gB: cute.Tensor, sB: cute.Tensor, num_k_tiles: cutlass.Int32):
-        """`load` for a ragged-M item: only the first `a_chunks` 128-row chunks of A (those that
-        hold the group's rows: a warp group multiplies only 64-row blocks that start below the
-        group's end, and such a block lies in a loaded chunk), so each stage expects the bytes
-        of those chunks and of B."""
+        """Producer warp, ragged M: each K tile of one work item takes `a_chunks` slots of the
+        ring for the A chunks that hold the group's rows (a warp group multiplies only 64-row
+        blocks that start below the group's end, and such a block lies in a loaded chunk), then
+        one for the B tile."""
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_a, 0, cute.make_layout(1), cute.group_modes(sA_chunks, 0, 2),
-            cute.group_modes(gA, 0, 2))
+            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
-        chunk_bytes = A_CHUNK_M * TILE_K * self.ab_dtype.width // 8
-        stage_bytes = a_chunks * chunk_bytes + TILE_N * TILE_K * self.ab_dtype.width // 8
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
-            ab_pipeline.sync_object_empty.wait(producer.index, producer.phase)
-            ab_pipeline.sync_object_full.arrive_and_expect_tx(producer.index, stage_bytes)
-            barrier = ab_pipeline.producer_get_barrier(producer)
-            for c in cutlass.range_constexpr(A_CHUNKS):
-                if c < a_chunks:
-                    cute.copy(tma_a, tAgA[(None, c, k_tile)],
-                              tAsA[(None, producer.index * A_CHUNKS + c)],
-                              tma_bar_ptr=barrier)
+            for chunk in cutlass.range(a_chunks, unroll=1):
+                ab_pipeline.producer_acquire(producer)
+                cute.copy(tma_a, tAgA[(None, chunk, k_tile)], tAsA[(None, producer.index)],
+                          tma_bar_ptr=ab_pipeline.producer_get_barrier(producer))
+                producer.advance()
+            ab_pipeline.producer_acquire(producer)
             cute.copy(tma_b, tBgB[(None, k_tile)], tBsB[(None, producer.index)],
-                      tma_bar_ptr=barrier)
+                      tma_bar_ptr=ab_pipeline.producer_get_barrier(producer))
             producer.advance()
         return producer
 
     @cute.jit
     def consumer_setup(self, tiled_mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor,
-                       thread: cutlass.Int32):
-        """A consumer thread's WGMMA operand fragments, accumulators and pipeline states."""
+                       thread: cutlass.Int32, tile_mn, num_accumulators: cutlass.Constexpr[int]):
+        """A consumer thread's WGMMA operand fragments, `num_accumulators` accumulators of its
+        share of a `tile_mn` tile, and pipeline states."""
         thr_mma = tiled_mma.get_slice((thread // THREADS_PER_GROUP) * THREADS_PER_GROUP)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        accumulators = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, TILE_N)),
-                                             self.acc_dtype)
+        accumulators = [cute.make_rmem_tensor(thr_mma.partition_shape_C(tile_mn), self.acc_dtype)
+                        for _ in range(num_accumulators)]
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -498,75 +508,22 @@ class GroupedMatmul:
     @cute.jit
     def consume(self, ab_pipeline, read, release, tiled_mma: cute.TiledMma, tCrA: cute.Tensor,
                 tCrB: cute.Tensor, accumulators: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor,
-                num_k_tiles: cutlass.Int32, valid_k: cutlass.Int32, valid_rows: cutlass.Int32,
-                first_row: cutlass.Int32, thread: cutlass.Int32):
-        """Consumer warp groups: `accumulators = sum over the item's K tiles` (fp32 registers).
-
-        K indices `>= valid_k` (the rows of the next group in dW) are zeroed in shared memory.
-        A warp group issues WGMMAs only for its 64-row blocks (rows `first_row + 128 * j`) that
-        hold a row below `valid_rows`: the other rows are never stored, so a group's last tile
-        costs MMAs for its rows rounded up to 64, not to the tile.
-        Every stage read is released once its WGMMAs are done, the last one included, so the
-        producer runs ahead into the next work item while this one is stored.
-        """
+                num_k_tiles: cutlass.Int32, valid_k: cutlass.Int32, thread: cutlass.Int32):
+        """Consumer warp groups, dW: `accumulators = sum over the item's K tiles` (fp32
+        registers). K indices `>= valid_k` (the rows of the next group) are zeroed in shared
+        memory before the WGMMAs read them. Every stage read is released once its WGMMAs are
+        done, the last one included, so the producer runs ahead into the next work item while
+        this one is stored."""
         accumulators.fill(0.0)
-        num_m_blocks = cute.size(tCrA, mode=[1])
-        assert num_m_blocks <= 3, "consume() has a branch for each block count up to 3"
-        # Blocks of this warp group that hold a row of the group: rows first_row + 128 * j.
-        blocks = cutlass.Int32(0)
-        rows_left = valid_rows - first_row
-        if rows_left > 0:
-            blocks = cutlass.min((rows_left + 2 * ATOM_M - 1) // (2 * ATOM_M), num_m_blocks)
-        if cutlass.const_expr(self.ragged_k):  # every dW tile is full (and K-tail zeroing syncs
-            read, release = self.multiply(   # both warp groups)
-                ab_pipeline, read, release, tiled_mma, tCrA, tCrB, accumulators, sA, sB,
-                num_k_tiles, valid_k, num_m_blocks, thread)
-        elif blocks == num_m_blocks:
-            read, release = self.multiply(ab_pipeline, read, release, tiled_mma, tCrA, tCrB,
-                                          accumulators, sA, sB, num_k_tiles, valid_k,
-                                          num_m_blocks, thread)
-        elif blocks > 1:  # 2 of 3
-            read, release = self.multiply(ab_pipeline, read, release, tiled_mma, tCrA, tCrB,
-                                          accumulators, sA, sB, num_k_tiles, valid_k, 2, thread)
-        elif blocks == 1:
-            read, release = self.multiply(ab_pipeline, read, release, tiled_mma, tCrA, tCrB,
-                                          accumulators, sA, sB, num_k_tiles, valid_k, 1, thread)
-        else:
-            # No WGMMA may sit under this branch (ptxas would serialise every WGMMA), so the
-            # idle warp group only passes each stage on.
-            for _ in cutlass.range(num_k_tiles, unroll=1):
-                ab_pipeline.consumer_wait(read)
-                ab_pipeline.consumer_release(release)
-                read.advance()
-                release.advance()
-        return read, release
-
-    @cute.jit
-    def multiply(self, ab_pipeline, read, release, tiled_mma: cute.TiledMma, tCrA: cute.Tensor,
-                 tCrB: cute.Tensor, accumulators: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor,
-                 num_k_tiles: cutlass.Int32, valid_k: cutlass.Int32,
-                 m_blocks: cutlass.Constexpr[int], thread: cutlass.Int32):
-        """The K loop of one warp group: WGMMAs of each stage into the accumulators of its first
-        `m_blocks` 64-row blocks."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
             ab_pipeline.consumer_wait(read)
-            if cutlass.const_expr(self.ragged_k):
-                if (k_tile + 1) * TILE_K > valid_k:
-                    self.zero_k_tail(sA, sB, read.index, valid_k - k_tile * TILE_K, thread)
+            if (k_tile + 1) * TILE_K > valid_k:
+                self.zero_k_tail(sA, sB, read.index, valid_k - k_tile * TILE_K, thread)
             cute.nvgpu.warpgroup.fence()
             for k_block in cutlass.range_constexpr(num_k_blocks):
                 coord = (None, None, k_block, read.index)
-                if cutlass.const_expr(m_blocks == cute.size(tCrA, mode=[1])):
-                    cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
-                else:
-                    a = tCrA[coord]
-                    a = cute.make_tensor(a.iterator, cute.make_layout(
-                        (cute.size(a, mode=[0]), m_blocks), stride=(0, a.layout.stride[1])))
-                    acc = cute.make_tensor(accumulators.iterator, cute.make_layout(
-                        (accumulators.layout.shape[0], m_blocks, 1),
-                        stride=(accumulators.layout.stride[0], accumulators.layout.stride[1], 0)))
-                    cute.gemm(tiled_mma, acc, a, tCrB[coord], acc)
+                cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
             cute.nvgpu.warpgroup.commit_group()
             # Keep one K tile of WGMMAs in flight: the one before it is done with its stage.
             cute.nvgpu.warpgroup.wait_group(1)
@@ -578,6 +535,80 @@ class GroupedMatmul:
         if num_k_tiles > 0:
             ab_pipeline.consumer_release(release)
             release.advance()
+        return read, release
+
+    @cute.jit
+    def consume_rows(self, ab_pipeline, read, release, tiled_mma: cute.TiledMma,
+                     tCrA: cute.Tensor, tCrB: cute.Tensor, accumulators,
+                     num_k_tiles: cutlass.Int32, a_chunks: cutlass.Int32,
+                     valid_rows: cutlass.Int32, first_row: cutlass.Int32):
+        """Consumer warp groups, ragged M: `accumulators[c]` (this warp group's block of chunk c)
+        `= sum over the item's K tiles`. A warp group issues WGMMAs only for its blocks (rows
+        `first_row + A_CHUNK_M * c`) that hold a row below `valid_rows`: the other rows are
+        never stored, so a group's last tile costs MMAs for its rows rounded up to 64. Both
+        warp groups wait for and release every slot of the item (the `a_chunks` A chunks and
+        the B tile of each K tile)."""
+        for acc in accumulators:
+            acc.fill(0.0)
+        blocks = cutlass.Int32(0)
+        rows_left = valid_rows - first_row
+        if rows_left > 0:
+            blocks = cutlass.min(cute.ceil_div(rows_left, A_CHUNK_M), A_CHUNKS)
+        # A branch per block count: no WGMMA may sit under a branch whose count is not known
+        # at compile time (ptxas would serialise every WGMMA).
+        if blocks == 3:
+            read, release = self.multiply_rows(ab_pipeline, read, release, tiled_mma, tCrA,
+                                               tCrB, accumulators, num_k_tiles, a_chunks, 3)
+        elif blocks == 2:
+            read, release = self.multiply_rows(ab_pipeline, read, release, tiled_mma, tCrA,
+                                               tCrB, accumulators, num_k_tiles, a_chunks, 2)
+        elif blocks == 1:
+            read, release = self.multiply_rows(ab_pipeline, read, release, tiled_mma, tCrA,
+                                               tCrB, accumulators, num_k_tiles, a_chunks, 1)
+        else:
+            read, release = self.multiply_rows(ab_pipeline, read, release, tiled_mma, tCrA,
+                                               tCrB, accumulators, num_k_tiles, a_chunks, 0)
+        return read, release
+
+    @cute.jit
+    def multiply_rows(self, ab_pipeline, read, release, tiled_mma: cute.TiledMma,
+                      tCrA: cute.Tensor, tCrB: cute.Tensor, accumulators,
+                      num_k_tiles: cutlass.Int32, a_chunks: cutlass.Int32,
+                      m_blocks: cutlass.Constexpr[int]):
+        """The K loop of one warp group, ragged M: per K tile, wait for its slots (A chunks in
+        order, then B), WGMMAs into the accumulators of its first `m_blocks` chunks, and release
+        the previous K tile's slots once its WGMMAs are done."""
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        slots = a_chunks + 1
+        for k_tile in cutlass.range(num_k_tiles, unroll=1):
+            first_slot = read.index
+            for _ in cutlass.range(slots, unroll=1):
+                ab_pipeline.consumer_wait(read)
+                read.advance()
+            # A warp group without rows only passes the slots on: an empty WGMMA group would
+            # still cost a dummy HGMMA and a wait.
+            if cutlass.const_expr(m_blocks > 0):
+                b_slot = (first_slot + a_chunks) % self.num_stages
+                cute.nvgpu.warpgroup.fence()
+                for k_block in cutlass.range_constexpr(num_k_blocks):
+                    for c in cutlass.range_constexpr(m_blocks):
+                        a_slot = (first_slot + c) % self.num_stages
+                        cute.gemm(tiled_mma, accumulators[c],
+                                  tCrA[(None, None, k_block, a_slot)],
+                                  tCrB[(None, None, k_block, b_slot)], accumulators[c])
+                cute.nvgpu.warpgroup.commit_group()
+                # Keep one K tile of WGMMAs in flight: the one before it is done with its slots.
+                cute.nvgpu.warpgroup.wait_group(1)
+            if k_tile > 0:
+                for _ in cutlass.range(slots, unroll=1):
+                    ab_pipeline.consumer_release(release)
+                    release.advance()
+        if cutlass.const_expr(m_blocks > 0):
+            cute.nvgpu.warpgroup.wait_group(0)
+        if num_k_tiles > 0:
+            for _ in cutlass.range(slots, unroll=1):
+                ab_pipeline.consumer_release(release)
+                release.advance()
         return read, release
 
     @cute.jit
@@ -687,7 +718,7 @@ def _table():
 
 def _compile_rows(options: str, weight_stride_order):
     """A ragged-M kernel: `a [M, K]`, `w_* (N, K, mats)` with `weight_stride_order`, `c [M, N]`."""
-    gemm = GroupedMatmul(ragged_k=False)
+    gemm = GroupedMatmul()
     a = _bf16((_dim(), _aligned_dim()), (1, 0))
     w_local = _bf16((_aligned_dim(), _aligned_dim(), _dim()), weight_stride_order)
     w_slots = _bf16((_aligned_dim(), _aligned_dim(), _dim()), weight_stride_order)
@@ -709,7 +740,7 @@ def compile_dx(options: str):
 def compile_dw(options: str):
     """`x^T (D0, M)` and `dy^T (D1, M)` M/N-major views; `dw_local (D0, D1, mats)` bf16 and
     `dw_partial`, `dw_slots (D0, D1, mats)` fp32, all row-major `[mats, D0, D1]` memory."""
-    gemm = GroupedMatmul(ragged_k=True)
+    gemm = GroupedMatmul()
     x_t = _bf16((_aligned_dim(), _dim()), (0, 1))
     dy_t = _bf16((_aligned_dim(), _dim()), (0, 1))
 
