@@ -24,7 +24,7 @@ routing (the padded baseline's layout) XLA computes once per loop. 50 calls spre
 launching and waiting for one jitted call to ~2.4 us per call (at 10, the earlier default, the
 planner's 30 us read 51-57). Bandwidth is reported three ways per rank (the slowest rank):
 S*K*H*2/t, remote bytes/t (entries whose destination is another rank) and deduplicated remote
-bytes/t (one row per (token, remote destination rank), what dispatch moves over the links).
+bytes/t (one row per (token, remote destination rank), what dispatch and combine send).
 
 Writes `<out>/bench_dispatch_<gpu>x<count>.json` (and a PNG plot when matplotlib is importable).
 `--quick` runs a tiny shape (CPU smoke test; on CPU only the xla path and all_to_all run).
@@ -237,7 +237,8 @@ def traffic(dst: np.ndarray, cfg: moonep_jax.EPConfig, ranks=None) -> dict:
     stacked plans of all R ranks). Per rank: its valid entries, the tokens with one, the entries
     and the primary rows (`dst >= 0`: one per (token, destination rank), what dispatch moves;
     the receiver writes the duplicate rows from the same read) bound for other ranks, and per
-    destination rank the entries and primaries sent there. Lists in rank order."""
+    destination rank the entries and primaries sent there, and the (token, rank) pairs of two or
+    more entries (whose rows combine sums on that rank first). Lists in rank order."""
     R, S, K = cfg.num_ranks, cfg.tokens_per_rank, cfg.top_k
     ranks = np.arange(R) if ranks is None else np.asarray(ranks)
     n = len(ranks)
@@ -248,16 +249,28 @@ def traffic(dst: np.ndarray, cfg: moonep_jax.EPConfig, ranks=None) -> dict:
     count = lambda mask, axes=(1, 2): mask.sum(axis=axes).astype(int).tolist()  # noqa: E731
     to_rank = lambda mask: [[int((m & (d == r)).sum()) for r in range(R)]  # noqa: E731
                             for m, d in zip(mask, dest)]
+    per_token_rank = np.stack([(valid & (dest == r)).sum(axis=2) for r in range(R)], axis=-1)
     return {"ranks": ranks.astype(int).tolist(), "entries": count(valid),
             "tokens_sent": count(valid.any(axis=2), 1), "remote_rows": count(remote),
             "dedup_remote_rows": count(remote & primary), "primary_rows": count(primary),
-            "entries_to": to_rank(valid), "primaries_to": to_rank(primary)}
+            "entries_to": to_rank(valid), "primaries_to": to_rank(primary),
+            "shared_groups_to": (per_token_rank >= 2).sum(axis=1).astype(int).tolist()}
 
 
 def replicas(experts_to_copy: np.ndarray, ranks) -> list[int]:
     """Used replica slots of each of `ranks`, from their copies of the full `[R, B]` slot table
     (`experts_to_copy [len(ranks), R, B]`)."""
     return [int((table[r] >= 0).sum()) for table, r in zip(experts_to_copy, ranks)]
+
+
+def combine_groups(rows: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Combine's (token, rank) groups of a home's tokens on another rank, `[home, rank]` counts
+    from `traffic`: of one entry (lone: the home reads the row in place) and of two or more (the
+    rank sums them and pushes one partial)."""
+    primaries_to = np.array(rows["primaries_to"])
+    shared = np.array(rows["shared_groups_to"])
+    others = 1 - np.eye(len(primaries_to), dtype=int)
+    return (primaries_to - shared) * others, shared * others
 
 
 def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: int) -> dict:
@@ -271,16 +284,22 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
     dst (checked), per pulled token the K dst entries and weights of its source, per owned row
     its owner's dst entry, per duplicate row its primary's recv_src, recv_primary and dst entry
     and, when its primary is pulled, its own recv_src and recv_primary again. The link carries
-    one row per (token, remote rank): `dedup_remote_rows`. combine: every valid entry's row is
-    read from the rank that holds it, one [S, H] output written. plan: topk_idx in and the Plan
-    out only (its histogram exchange is not counted). prefetch (when `rows` has `replicas`): each
-    used slot's expert of both projections read from its home and written once, and the rank's
-    row of the slot table read."""
+    one row per (token, remote rank): `dedup_remote_rows`. combine: each rank reads the dst of
+    every rank, and for each (token of another home, this rank) of two or more entries it reads
+    their rows and stores one partial into that home's staging; the home reads its own tokens'
+    rows, one staged partial or lone row (from its owner) per (token, other destination rank),
+    and writes [S, H]. plan: topk_idx in and the Plan out only (its histogram exchange is not
+    counted). prefetch (when `rows` has `replicas`): each used slot's expert of both projections
+    read from its home and written once, and the rank's row of the slot table read."""
     N, nvs, S, K = cfg.num_entries, cfg.nvs, cfg.tokens_per_rank, cfg.top_k
     entries = np.array(rows["entries"])
     received = np.sum(rows["entries_to"], axis=0)           # receive rows owned, per rank
     pulled = np.sum(rows["primaries_to"], axis=0)           # (token, this rank) pairs read
     duplicates = received - pulled
+    entries_to = np.array(rows["entries_to"])               # [home, rank]
+    lone, shared = combine_groups(rows)
+    stage1_rows = entries_to.sum(axis=0) - np.diag(entries_to) - lone.sum(axis=0)  # per owner
+    staged = shared.sum(axis=0)                             # partials each owner pushes
     R = len(entries)
     per_rank = lambda v: (np.broadcast_to(v, (R,)).astype(int)).tolist()  # noqa: E731
     moved = {
@@ -288,8 +307,10 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
         "dispatch": {"read": per_rank(pulled * (row_bytes + K * 8) + received * 4
                                       + duplicates * 20 + nvs * 8 + N * 4),
                      "written": per_rank(nvs * (row_bytes + 4))},
-        "combine": {"read": per_rank(entries * row_bytes + N * 4),
-                    "written": per_rank(S * row_bytes)},
+        "combine": {"read": per_rank((stage1_rows + np.diag(entries_to)
+                                      + np.array(rows["dedup_remote_rows"])) * row_bytes
+                                     + R * N * 4),
+                    "written": per_rank((staged + S) * row_bytes)},
     }
     if "replicas" in rows:
         copied = np.array(rows["replicas"]) * expert_bytes(cfg)
@@ -300,16 +321,20 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
 
 def link_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int) -> dict:
     """Per op and rank, the bytes its kernels read from other ranks' memory (over NVLink between
-    GPUs; the same HBM when the ranks share one), from `traffic` of all R ranks. dispatch: each
-    row pulled from another sender, with that token's K dst entries and weights; combine: the
-    row of every valid entry of this rank's tokens that another rank holds; prefetch: every used
-    slot's expert of both projections (a slot always replicates another rank's expert). The
-    plan's histogram exchange is not counted."""
-    K = cfg.top_k
+    GPUs; the same HBM when the ranks share one), and for combine also the bytes it stores
+    there, from `traffic` of all R ranks. dispatch: each row pulled from another sender, with
+    that token's K dst entries and weights; combine: every other rank's dst, one partial pushed
+    per (token of another home, this rank) of two or more entries, and, as the home, each lone
+    row (one entry on its rank) read from its owner: one row per (token, other rank) crosses;
+    prefetch: every used slot's expert of both projections (a slot always replicates another
+    rank's expert). The plan's histogram exchange is not counted."""
+    K, N = cfg.top_k, cfg.num_entries
     primaries_to = np.array(rows["primaries_to"])                    # [sender, receiver]
     pulled_remote = primaries_to.sum(axis=0) - np.diag(primaries_to)  # per receiver
+    lone, shared = combine_groups(rows)
+    combined = (lone.sum(axis=1) + shared.sum(axis=0)) * row_bytes + (len(lone) - 1) * N * 4
     moved = {"dispatch": (pulled_remote * (row_bytes + K * 8)).astype(int).tolist(),
-             "combine": (np.array(rows["remote_rows"]) * row_bytes).astype(int).tolist()}
+             "combine": combined.astype(int).tolist()}
     if "replicas" in rows:
         moved["prefetch"] = (np.array(rows["replicas"]) * expert_bytes(cfg)).astype(int).tolist()
     return moved

@@ -1,7 +1,6 @@
-#include "kernels/combine.h"
-
 #include <cuda_bf16.h>
 
+#include "kernels/combine.h"
 #include "kernels/rendezvous.h"
 
 namespace moonep {
@@ -9,12 +8,13 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarpsPerCta = kThreads / 32;
-// Vectors per lane loaded together from one row: several 16-byte remote loads in flight.
-constexpr int kUnroll = 4;
 constexpr unsigned kFullMask = 0xffffffffu;
-// NOTE: peers' buffers are read with ld.global.cg (__ldcg: L2, never L1). XLA reuses buffer
-// addresses across calls, and a stale L1 line of an earlier call must never be served.
-constexpr int kMailboxY = mailbox_slot(kOpCombine, 0);
+// NOTE: rows and plan data that peers wrote or own are read with ld.global.cg (__ldcg: L2, never
+// L1). XLA reuses buffer addresses across calls, and a stale L1 line of an earlier call must never
+// be served.
+constexpr int kMailboxStaging = mailbox_slot(kOpCombine, 0);
+constexpr int kMailboxDst = mailbox_slot(kOpCombine, 1);
+constexpr int kMailboxY = mailbox_slot(kOpCombine, 2);
 constexpr int kMailboxRecvW = mailbox_slot(kOpCombineWeights, 0);
 
 __device__ __forceinline__ float to_float(float v) { return v; }
@@ -23,7 +23,9 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162f
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);  // round to nearest even, as XLA's convert
@@ -37,12 +39,149 @@ union Pack {
   T elems[kElems];
 };
 
-// One warp per token. Lane k decodes entry k; lanes whose entries go to the same rank form a group
-// led by its lowest k (__match_any_sync), which fixes both rounding stages' order. The warp then
-// walks the row in chunks of 32 * kUnroll vectors: for each group, in leader order, it sums the
-// group's rows in k order in fp32, rounds the partial to T, and adds it to the fp32 accumulator.
+__device__ __forceinline__ int lanes_below(unsigned mask, int lane) {
+  return __popc(mask & ((1u << lane) - 1u));
+}
+
+// A token's K entries, one per lane (lanes >= K: none), grouped by destination rank: lanes whose
+// entries go to the same rank share a leader, the group's lowest k (__match_any_sync), which
+// orders both rounding stages.
+struct TokenEntries {
+  Destination d;
+  int leader;        // -1 for lanes without a valid entry
+  unsigned leaders;  // lanes that lead a group
+  unsigned remote;   // leaders of groups on a rank other than `home`: slot j of the token's
+                     // staging is the j-th of them (used by groups of two or more rows)
+};
+
+__device__ __forceinline__ TokenEntries token_entries(const GroupView& g, int32_t dst, int nvs,
+                                                      int home) {
+  const int lane = threadIdx.x % 32;
+  TokenEntries e{decode_destination(g, kOpCombine, dst, nvs), -1, 0, 0};
+  // Lanes without an entry get a key no other lane has, so they lead only themselves.
+  const unsigned group = __match_any_sync(kFullMask, e.d.dest >= 0 ? e.d.dest : -1 - lane);
+  e.leader = e.d.dest >= 0 ? __ffs(group) - 1 : -1;
+  e.leaders = __ballot_sync(kFullMask, e.leader == lane);
+  e.remote = __ballot_sync(kFullMask, e.leader == lane && e.d.dest != home);
+  return e;
+}
+
+// Lane k's Plan.dst of token t's entry k (kDropped for lanes >= K).
+__device__ __forceinline__ int32_t load_dst(const int32_t* dst, int64_t t, int top_k) {
+  const int lane = threadIdx.x % 32;
+  return lane < top_k ? __ldcg(dst + t * top_k + lane) : kDropped;
+}
+
+__device__ __forceinline__ const char* shfl_address(const char* p, int lane) {
+  return reinterpret_cast<const char*>(
+      __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(p), lane));
+}
+
+// Stage 1 of one (token, rank) group on the rank that holds its rows: lane i < count holds the
+// i-th row in k order; out = cast(sum in that order of fp32 rows, from +0.0). Each lane covers
+// kUnroll vectors 32 apart per step and loads kBatch rows of them before adding any, so that
+// kBatch * kUnroll 16-byte loads per lane are in flight; the additions keep the row order.
+constexpr int kPartialBatch = 2, kPartialUnroll = 4;
+
 template <typename T, typename Vec>
-__global__ void __launch_bounds__(kThreads) combine_gather_kernel(CombineParams p) {
+__device__ __forceinline__ void sum_group(const char* row, int count, int64_t row_vecs, Vec* out) {
+  using P = Pack<T, Vec>;
+  const int lane = threadIdx.x % 32;
+  // Every lane runs every step (the shuffles below need the whole warp), whatever the row size;
+  // loads and stores past the row are masked.
+  for (int64_t step = 0; step < row_vecs; step += 32 * kPartialUnroll) {
+    const int64_t base = step + lane;
+    float partial[kPartialUnroll][P::kElems] = {};
+    for (int i0 = 0; i0 < count; i0 += kPartialBatch) {
+      P v[kPartialBatch][kPartialUnroll];
+#pragma unroll
+      for (int j = 0; j < kPartialBatch; ++j) {
+        const Vec* in = reinterpret_cast<const Vec*>(shfl_address(row, (i0 + j) % 32));
+#pragma unroll
+        for (int u = 0; u < kPartialUnroll; ++u)
+          if (i0 + j < count && base + u * 32 < row_vecs) v[j][u].vec = __ldcg(in + base + u * 32);
+      }
+#pragma unroll
+      for (int j = 0; j < kPartialBatch; ++j) {
+        if (i0 + j >= count) continue;  // warp-uniform
+#pragma unroll
+        for (int u = 0; u < kPartialUnroll; ++u)
+#pragma unroll
+          for (int e = 0; e < P::kElems; ++e) partial[u][e] += to_float(v[j][u].elems[e]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kPartialUnroll; ++u) {
+      if (base + u * 32 >= row_vecs) continue;
+      P o;
+#pragma unroll
+      for (int e = 0; e < P::kElems; ++e) o.elems[e] = from_float<T>(partial[u][e]);
+      out[base + u * 32] = o.vec;
+    }
+  }
+}
+
+// Stage 1 on the owner. One warp per (home rank h != this rank, token t of h): reads h's dst of t
+// (K ints over NVLink, one token ahead so that the read overlaps the previous rows); if two or
+// more of t's entries came to this rank, sums their rows (local) in k order, rounds, and stores
+// that one row into h's staging slot of this rank's group. (A single row crosses the link either
+// way: the home reads it in place, which saves the staging write and read.)
+template <typename T, typename Vec>
+__global__ void __launch_bounds__(kThreads) combine_partial_kernel(CombineParams p) {
+  __shared__ char* staging_of[kMaxRanks];
+  __shared__ const int32_t* dst_of[kMaxRanks];
+  if (threadIdx.x < p.group.num_ranks) {
+    staging_of[threadIdx.x] =
+        static_cast<char*>(const_cast<void*>(peer_address(p.group, kMailboxStaging, threadIdx.x)));
+    dst_of[threadIdx.x] =
+        static_cast<const int32_t*>(peer_address(p.group, kMailboxDst, threadIdx.x));
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x % 32;
+  const int me = p.group.rank, R = p.group.num_ranks;
+  const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
+  const int64_t row_vecs = row_bytes / static_cast<int64_t>(sizeof(Vec));
+  const int64_t num_pairs = static_cast<int64_t>(R - 1) * p.num_tokens;
+  const int num_warps = gridDim.x * kWarpsPerCta;
+  const auto home_of = [&](int64_t q) { return (me + 1 + static_cast<int>(q / p.num_tokens)) % R; };
+  const auto dst_of_pair = [&](int64_t q) {
+    return q < num_pairs ? load_dst(dst_of[home_of(q)], q % p.num_tokens, p.top_k) : kDropped;
+  };
+  int64_t q = blockIdx.x * kWarpsPerCta + threadIdx.x / 32;
+  for (int32_t dst = dst_of_pair(q); q < num_pairs; q += num_warps) {
+    const int home = home_of(q);
+    const int t = static_cast<int>(q % p.num_tokens);
+    const TokenEntries e = token_entries(p.group, dst, p.nvs, home);
+    dst = dst_of_pair(q + num_warps);
+    const unsigned members = __ballot_sync(kFullMask, e.d.dest == me);
+    if (__popc(members) < 2) continue;  // warp-uniform
+    const int slot = lanes_below(e.remote, __ffs(members) - 1);
+    // Lane i takes the i-th member's row (members in k order).
+    int from = lane;
+    for (unsigned m = members, i = 0; m; m &= m - 1, ++i)
+      if (lane == static_cast<int>(i)) from = __ffs(m) - 1;
+    const char* row = shfl_address(static_cast<const char*>(p.y) + e.d.row * row_bytes, from);
+    Vec* out = reinterpret_cast<Vec*>(
+        staging_of[home] + (static_cast<int64_t>(t) * p.staging_slots + slot) * row_bytes);
+    sum_group<T, Vec>(row, __popc(members), row_vecs, out);
+  }
+  // NOTE: the middle barrier (a later kernel) publishes these remote stores only if every writing
+  // thread fenced at system scope (transport.cuh, `barrier`).
+  __threadfence_system();
+}
+
+// Vectors per lane loaded together from one row in stage 2: several 16-byte loads in flight.
+constexpr int kUnroll = 4;
+
+// Stage 2 on the home, after the middle barrier (at R = 1 the whole combine). One warp per
+// token. The warp walks the row in chunks of 32 * kUnroll vectors: for each group, in leader
+// order, it adds the group's stage-1 partial to the fp32 accumulator: the staged partial of a
+// remote group of two or more rows, else the group's rows (its own, or a lone row read in place
+// from its owner) summed in k order in fp32 and rounded to T.
+template <typename T, typename Vec>
+// One CTA per SM (launched so): the register budget of a 512-thread CTA alone.
+__global__ void __launch_bounds__(kThreads, 1) combine_sum_kernel(CombineParams p) {
   using P = Pack<T, Vec>;
   __shared__ const char* y_of[kMaxRanks];
   if (threadIdx.x < p.group.num_ranks)
@@ -50,33 +189,41 @@ __global__ void __launch_bounds__(kThreads) combine_gather_kernel(CombineParams 
   __syncthreads();
 
   const int lane = threadIdx.x % 32;
+  const int me = p.group.rank;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
   const int64_t row_vecs = row_bytes / static_cast<int64_t>(sizeof(Vec));
   const int num_warps = gridDim.x * kWarpsPerCta;
   for (int t = blockIdx.x * kWarpsPerCta + threadIdx.x / 32; t < p.num_tokens; t += num_warps) {
-    Destination d{-1, 0, false};
-    if (lane < p.top_k)
-      d = decode_destination(p.group, kOpCombine,
-                             p.dst[static_cast<int64_t>(t) * p.top_k + lane], p.nvs);
-    // Lanes without an entry get a key no other lane has, so they lead only themselves.
-    const unsigned same_dest = __match_any_sync(kFullMask, d.dest >= 0 ? d.dest : -1 - lane);
-    const int leader = d.dest >= 0 ? __ffs(same_dest) - 1 : -1;
-    const unsigned leaders = __ballot_sync(kFullMask, leader == lane);
-
+    const TokenEntries e = token_entries(p.group, load_dst(p.dst, t, p.top_k), p.nvs, me);
     Vec* out = reinterpret_cast<Vec*>(static_cast<char*>(p.out) + t * row_bytes);
     // Every lane runs every step, whatever the row size (the ballots and shuffles below need the
     // whole warp); loads and stores past the row are masked.
     for (int64_t step = 0; step < row_vecs; step += 32 * kUnroll) {
       const int64_t base = step + lane;
       float acc[kUnroll][P::kElems] = {};
-      for (unsigned g = leaders; g; g &= g - 1) {
+      for (unsigned g = e.leaders; g; g &= g - 1) {
         const int group_leader = __ffs(g) - 1;
-        const unsigned members = __ballot_sync(kFullMask, leader == group_leader);
+        const unsigned members = __ballot_sync(kFullMask, e.leader == group_leader);
+        if (((e.remote >> group_leader) & 1u) && __popc(members) > 1) {  // warp-uniform
+          const int64_t slot =
+              static_cast<int64_t>(t) * p.staging_slots + lanes_below(e.remote, group_leader);
+          const Vec* in =
+              reinterpret_cast<const Vec*>(static_cast<const char*>(p.staging) + slot * row_bytes);
+          P v[kUnroll];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (base + u * 32 < row_vecs) v[u].vec = __ldcg(in + base + u * 32);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+            for (int x = 0; x < P::kElems; ++x) acc[u][x] += to_float(v[u].elems[x]);
+          continue;
+        }
         float partial[kUnroll][P::kElems] = {};
         for (unsigned m = members; m; m &= m - 1) {
           const int k = __ffs(m) - 1;
-          const int dest = __shfl_sync(kFullMask, d.dest, k);
-          const int row = __shfl_sync(kFullMask, d.row, k);
+          const int dest = __shfl_sync(kFullMask, e.d.dest, k);
+          const int row = __shfl_sync(kFullMask, e.d.row, k);
           const Vec* in = reinterpret_cast<const Vec*>(y_of[dest] + row * row_bytes);
           P v[kUnroll];
 #pragma unroll
@@ -85,36 +232,47 @@ __global__ void __launch_bounds__(kThreads) combine_gather_kernel(CombineParams 
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
-            for (int e = 0; e < P::kElems; ++e) partial[u][e] += to_float(v[u].elems[e]);
+            for (int x = 0; x < P::kElems; ++x) partial[u][x] += to_float(v[u].elems[x]);
         }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
-          for (int e = 0; e < P::kElems; ++e) acc[u][e] += to_float(from_float<T>(partial[u][e]));
+          for (int x = 0; x < P::kElems; ++x) acc[u][x] += to_float(from_float<T>(partial[u][x]));
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (base + u * 32 >= row_vecs) continue;
         P o;
 #pragma unroll
-        for (int e = 0; e < P::kElems; ++e) o.elems[e] = from_float<T>(acc[u][e]);
+        for (int x = 0; x < P::kElems; ++x) o.elems[x] = from_float<T>(acc[u][x]);
         out[base + u * 32] = o.vec;
       }
     }
   }
 }
 
-template <typename T>
-cudaError_t launch_gather(const CombineParams& p, cudaStream_t stream) {
-  const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
-  if (row_bytes % 16 == 0) {
-    combine_gather_kernel<T, uint4><<<p.num_sms, kThreads, 0, stream>>>(p);
-  } else if (row_bytes % 4 == 0) {
-    combine_gather_kernel<T, uint32_t><<<p.num_sms, kThreads, 0, stream>>>(p);
-  } else {
-    combine_gather_kernel<T, T><<<p.num_sms, kThreads, 0, stream>>>(p);
+template <typename T, typename Vec>
+cudaError_t launch_data_kernels(const CombineParams& p, cudaStream_t stream) {
+  if (p.group.num_ranks > 1) {  // alone, a rank holds all its tokens' rows: no first phase
+    combine_partial_kernel<T, Vec><<<p.num_sms, kThreads, 0, stream>>>(p);
+    if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+    if (const cudaError_t err = launch_middle_rendezvous(p.group, kOpCombine, stream);
+        err != cudaSuccess)
+      return err;
   }
-  return cudaGetLastError();
+  combine_sum_kernel<T, Vec><<<p.num_sms, kThreads, 0, stream>>>(p);
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  return launch_exit_rendezvous(p.group, kOpCombine, stream);
+}
+
+// Rows are summed as vectors: the widest that divides the row size (rows are then aligned, XLA
+// buffers being at least 16-byte aligned).
+template <typename T>
+cudaError_t launch_data_kernels(const CombineParams& p, cudaStream_t stream) {
+  const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
+  if (row_bytes % 16 == 0) return launch_data_kernels<T, uint4>(p, stream);
+  if (row_bytes % 4 == 0) return launch_data_kernels<T, uint32_t>(p, stream);
+  return launch_data_kernels<T, T>(p, stream);
 }
 
 // One thread per entry: d topk_w[i] = the owner's recv_w[row] of entry i (duplicates read their
@@ -122,8 +280,8 @@ cudaError_t launch_gather(const CombineParams& p, cudaStream_t stream) {
 __global__ void __launch_bounds__(kThreads) combine_weights_gather_kernel(CombineWeightsParams p) {
   __shared__ const float* recv_w_of[kMaxRanks];
   if (threadIdx.x < p.group.num_ranks)
-    recv_w_of[threadIdx.x] = static_cast<const float*>(
-        peer_address(p.group, kMailboxRecvW, threadIdx.x));
+    recv_w_of[threadIdx.x] =
+        static_cast<const float*>(peer_address(p.group, kMailboxRecvW, threadIdx.x));
   __syncthreads();
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < p.num_entries;
        i += gridDim.x * blockDim.x) {
@@ -132,25 +290,32 @@ __global__ void __launch_bounds__(kThreads) combine_weights_gather_kernel(Combin
   }
 }
 
+// Loaded on every device when a transport context is created (lazy loading while a peer spins
+// in a barrier can deadlock).
 [[maybe_unused]] const int kPreloaded[] = {
-    register_kernel_for_preload(as_symbol(&combine_gather_kernel<__nv_bfloat16, uint4>)),
-    register_kernel_for_preload(as_symbol(&combine_gather_kernel<__nv_bfloat16, uint32_t>)),
-    register_kernel_for_preload(as_symbol(&combine_gather_kernel<__nv_bfloat16, __nv_bfloat16>)),
-    register_kernel_for_preload(as_symbol(&combine_gather_kernel<float, uint4>)),
-    register_kernel_for_preload(as_symbol(&combine_gather_kernel<float, uint32_t>)),
-    register_kernel_for_preload(as_symbol(&combine_gather_kernel<float, float>)),
+    register_kernel_for_preload(as_symbol(&combine_partial_kernel<__nv_bfloat16, uint4>)),
+    register_kernel_for_preload(as_symbol(&combine_sum_kernel<__nv_bfloat16, uint4>)),
+    register_kernel_for_preload(as_symbol(&combine_partial_kernel<__nv_bfloat16, uint32_t>)),
+    register_kernel_for_preload(as_symbol(&combine_sum_kernel<__nv_bfloat16, uint32_t>)),
+    register_kernel_for_preload(as_symbol(&combine_partial_kernel<__nv_bfloat16, __nv_bfloat16>)),
+    register_kernel_for_preload(as_symbol(&combine_sum_kernel<__nv_bfloat16, __nv_bfloat16>)),
+    register_kernel_for_preload(as_symbol(&combine_partial_kernel<float, uint4>)),
+    register_kernel_for_preload(as_symbol(&combine_sum_kernel<float, uint4>)),
+    register_kernel_for_preload(as_symbol(&combine_partial_kernel<float, uint32_t>)),
+    register_kernel_for_preload(as_symbol(&combine_sum_kernel<float, uint32_t>)),
+    register_kernel_for_preload(as_symbol(&combine_partial_kernel<float, float>)),
+    register_kernel_for_preload(as_symbol(&combine_sum_kernel<float, float>)),
     register_kernel_for_preload(as_symbol(&combine_weights_gather_kernel)),
 };
 
 }  // namespace
 
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
-  cudaError_t err = launch_entry_rendezvous(p.group, kOpCombine, p.y, nullptr, stream);
+  const cudaError_t err =
+      launch_entry_rendezvous(p.group, kOpCombine, p.staging, p.dst, p.y, stream);
   if (err != cudaSuccess) return err;
-  err = p.row_type == RowType::kBF16 ? launch_gather<__nv_bfloat16>(p, stream)
-                                     : launch_gather<float>(p, stream);
-  if (err != cudaSuccess) return err;
-  return launch_exit_rendezvous(p.group, kOpCombine, stream);
+  return p.row_type == RowType::kBF16 ? launch_data_kernels<__nv_bfloat16>(p, stream)
+                                      : launch_data_kernels<float>(p, stream);
 }
 
 cudaError_t launch_combine_weights(const CombineWeightsParams& p, cudaStream_t stream) {

@@ -1,5 +1,6 @@
-// moonep_combine / moonep_combine_weights: zero-copy gather of every entry's row (or weight) from
-// the rank that computed it, read in place from the owner's buffer.
+// moonep_combine: the rank that holds a token's rows sums them (stage 1) and pushes that partial
+// row to the token's home (or the home reads a lone row in place), which sums them (stage 2).
+// moonep_combine_weights: zero-copy gather of every entry's weight, read in place from its owner.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,8 +16,13 @@ enum class RowType : int32_t { kBF16, kF32 };
 struct CombineParams {
   GroupView group;            // this rank's EP group
   const void* y;              // [nvs, hidden] this rank's expert outputs (XLA operand buffer)
-  const int32_t* dst;         // [num_tokens * top_k] Plan.dst
+  const int32_t* dst;         // [num_tokens * top_k] Plan.dst (peers read it: XLA operand)
   void* out;                  // [num_tokens, hidden] result, y's dtype
+  void* staging;              // [num_tokens, staging_slots, hidden] y's dtype (XLA result
+                              // buffer): slot j of token t receives the stage-1 partial of t's
+                              // j-th remote destination rank (in the order of their lowest k)
+                              // when two or more of t's entries went there
+  int32_t staging_slots;      // >= min(R - 1, K): a token has at most that many remote ranks
   RowType row_type;           // dtype of y and out
   int32_t hidden;             // H
   int32_t num_tokens;         // S
@@ -28,8 +34,12 @@ struct CombineParams {
 // out[t] = cast( sum over destination ranks d of t's entries, ordered by their lowest k, of
 // fp32(cast( sum over k ascending with dest_k == d of fp32(y_d[row_k]) )) ), every sum starting at
 // +0.0 (docs/CONTRACT.md); dropped entries, and entries that decode out of range (reported as bad
-// plan data), contribute nothing. Publishes y's address, barriers, reads the owners' rows in place
-// over NVLink, then an exit barrier keeps every y alive until all readers are done. Launches only
+// plan data), contribute nothing. One row per (token, other destination rank) crosses the link:
+// entry barrier (publishes staging, dst and y); each rank reads its peers' dst and, for each of
+// their tokens with two or more entries on it, sums those rows (stage 1) and stores the partial
+// into the home's staging; middle barrier; each rank sums its tokens (stage 2) from the staged
+// partials, the single rows of the other groups read in place from their owners, and the stage 1
+// of its own rows; exit barrier (keeps every y alive until its readers are done). Launches only
 // (CUDA-graph safe).
 cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream);
 

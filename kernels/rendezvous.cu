@@ -17,6 +17,11 @@ __global__ void entry_rendezvous_kernel(GroupView g, int op_slot, PublishedAddre
   barrier(g, barrier_slot(op_slot, 0), epoch, "the entry barrier of a zero-copy op");
 }
 
+__global__ void middle_rendezvous_kernel(GroupView g, int op_slot) {
+  barrier(g, barrier_slot(op_slot, 2), current_epoch(g, op_slot),
+          "the middle barrier of a zero-copy op");
+}
+
 __global__ void exit_rendezvous_kernel(GroupView g, int op_slot) {
   barrier(g, barrier_slot(op_slot, 1), current_epoch(g, op_slot),
           "the exit barrier of a zero-copy op");
@@ -26,6 +31,7 @@ __global__ void exit_rendezvous_kernel(GroupView g, int op_slot) {
 // in a barrier can deadlock).
 [[maybe_unused]] const int kPreloaded[] = {
     register_kernel_for_preload(as_symbol(&entry_rendezvous_kernel)),
+    register_kernel_for_preload(as_symbol(&middle_rendezvous_kernel)),
     register_kernel_for_preload(as_symbol(&exit_rendezvous_kernel)),
 };
 
@@ -34,6 +40,11 @@ __global__ void exit_rendezvous_kernel(GroupView g, int op_slot) {
 cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot,
                                     const PublishedAddresses& addresses, cudaStream_t stream) {
   entry_rendezvous_kernel<<<1, 32, 0, stream>>>(group, op_slot, addresses);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_middle_rendezvous(const GroupView& group, int op_slot, cudaStream_t stream) {
+  middle_rendezvous_kernel<<<1, 32, 0, stream>>>(group, op_slot);
   return cudaGetLastError();
 }
 

@@ -62,8 +62,10 @@ struct PublishedAddresses {
 // `addresses.address[i]` into the op's mailbox slot i (i < kMailboxesPerOp), barrier (the op's
 // barrier slot 0); afterwards every peer's addresses are readable with
 // `peer_address(g, mailbox_slot(op_slot, i), peer)` (translated into this process's mapping of
-// a peer process's pool). Exit: barrier (slot 1), so that no buffer is released or reused while
-// a peer still reads or writes it. Defined in kernels/rendezvous.cu.
+// a peer process's pool). Middle (ops of two phases): barrier (slot 2), after which every peer's
+// first-phase writes are visible; the published buffers stay valid. Exit: barrier (slot 1), so
+// that no buffer is released or reused while a peer still reads or writes it. Defined in
+// kernels/rendezvous.cu.
 cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot,
                                     const PublishedAddresses& addresses, cudaStream_t stream);
 // The ops that publish up to three addresses, into mailbox slots 0, 1 and 2.
@@ -78,6 +80,7 @@ inline cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot,
                                            cudaStream_t stream) {
   return launch_entry_rendezvous(group, op_slot, address0, address1, nullptr, stream);
 }
+cudaError_t launch_middle_rendezvous(const GroupView& group, int op_slot, cudaStream_t stream);
 cudaError_t launch_exit_rendezvous(const GroupView& group, int op_slot, cudaStream_t stream);
 
 }  // namespace moonep

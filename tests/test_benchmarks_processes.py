@@ -62,16 +62,24 @@ def test_bench_dispatch_two_processes_on_cpu(tmp_path):
         assert moved["written"] == [n * expert_bytes for n in point["replicas"]]
         assert all(r > w for r, w in zip(moved["read"], moved["written"]))
         # Over the link: every row a rank pulls from another (one per token and remote rank, what
-        # its senders count as deduplicated remote rows) with K dst entries and weights; every
-        # remote entry's row once for combine; every used slot's experts for prefetch.
-        row_bytes, K = 2 * record["shape"]["H"], record["shape"]["K"]
+        # its senders count as deduplicated remote rows) with K dst entries and weights; for
+        # combine one row per (token, remote rank) as well, fewer than the remote entries (some
+        # tokens have two entries on the other rank), and the other rank's dst; every used slot's
+        # experts for prefetch.
+        row_bytes, K, S = 2 * record["shape"]["H"], record["shape"]["K"], record["shape"]["S"]
         link = point["link_bytes"]
         assert sum(link["dispatch"]) == sum(point["dedup_remote_rows"]) * (row_bytes + 8 * K) > 0
-        assert link["combine"] == [n * row_bytes for n in point["remote_rows"]]
+        assert sum(link["combine"]) == (sum(point["dedup_remote_rows"]) * row_bytes
+                                        + 2 * S * K * 4)
+        assert sum(point["dedup_remote_rows"]) < sum(point["remote_rows"])
         assert link["prefetch"] == moved["written"]
         # Every rank's entries are received somewhere; primaries are at most the entries.
         assert sum(map(sum, point["entries_to"])) == sum(point["entries"])
         assert all(p <= e for p, e in zip(point["primary_rows"], point["entries"]))
+        # A (token, rank) pair of two or more entries has one primary and a duplicate there.
+        for shared, primaries, entries in zip(point["shared_groups_to"], point["primaries_to"],
+                                              point["entries_to"]):
+            assert all(2 * s <= e and s <= p for s, p, e in zip(shared, primaries, entries))
         for result in point["results"]:
             assert len(result["hbm_gbps_per_rank"]) == 2 and result["hbm_gbps_all_ranks"] > 0
 

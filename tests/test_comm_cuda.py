@@ -288,11 +288,42 @@ def test_combine_bitwise_equal_to_two_stage_oracle_and_xla(mesh, seed, maxvio, d
         p = plan(topk_idx, cfgs["xla"])
         return _stack(({impl: combine(y, p, cfg) for impl, cfg in cfgs.items()}, p.dst))
 
-    _poison_allocator(mesh, 4 * S * H)
+    # Fresh out and staging buffers ([S, min(R - 1, K), H]: the owners' partials) start as NaN:
+    # a row or slot left unwritten would show.
+    _poison_allocator(mesh, 4 * S * H * (1 + min(R - 1, K)))
     out, dst = _per_rank(per_rank, mesh)(topk_idx, y)
     oracle = _two_stage_combine_oracle(y.reshape(R, nvs, H), np.asarray(dst), nvs)
     np.testing.assert_array_equal(np.asarray(out["cuda"]), oracle)
     np.testing.assert_array_equal(np.asarray(out["cuda"]), np.asarray(out["xla"]))
+
+
+def test_combine_skips_and_reports_bad_plan_data(mesh, seed):
+    """A dst naming a rank outside the group counts as dropped, on its home and on every owner
+    (which read the home's dst), and is recorded; the other entries' sums are exact."""
+    R = mesh.devices.size
+    cfgs = _configs(R)
+    nvs = cfgs["xla"].nvs
+    rng = np.random.default_rng(seed)
+    topk_idx = _routing(seed, R, 1.0, cfgs["xla"])
+    y = rng.standard_normal((R * nvs, cfgs["xla"].hidden)).astype(jnp.bfloat16)
+    bad = R * nvs + 5  # decodes to rank R: outside the group
+
+    def per_rank(topk_idx, y):
+        p = plan(topk_idx, cfgs["xla"])
+        bad_entries = jnp.arange(0, S * K, 7)
+        as_dropped = dataclasses.replace(p, dst=p.dst.at[bad_entries].set(moonep_jax.DROPPED))
+        with_bad = dataclasses.replace(p, dst=p.dst.at[bad_entries].set(bad))
+        return _stack((combine(y, with_bad, cfgs["cuda"]), combine(y, as_dropped, cfgs["xla"])))
+
+    moonep_jax.check_transport_errors()  # nothing left over from other tests
+    _poison_allocator(mesh, 4 * S * cfgs["xla"].hidden * (1 + min(R - 1, K)))
+    cuda, xla = _per_rank(per_rank, mesh)(topk_idx, y)
+    np.testing.assert_array_equal(np.asarray(cuda), np.asarray(xla))
+    with pytest.raises(moonep_jax.TransportError,
+                       match=rf"bad plan data at EP rank \d+, epoch \d+: plan\.dst names a rank "
+                             rf"outside the group \(value {bad}\)"):
+        moonep_jax.check_transport_errors()
+    moonep_jax.check_transport_errors()  # cleared by the read
 
 
 @pytest.mark.parametrize("maxvio", (0.2, 20.0))

@@ -36,10 +36,11 @@ WORKLOADS = str(Path(__file__).with_name("_mp_workloads.py"))
 MAXVIOS = (0.0, 1.0, 20.0)
 TRAIN = Sizes(S=32, K=2, E=64, H=64, F=32)
 INFER = Sizes(S=32, K=2, E=64, H=64, F=32, B=2, tp=2)
-# K = 8 >= R: tokens spread over many ranks, several entries of a token on one rank, and F = 32,
-# less than one K tile of the grouped matmul: its moe_ffn once gave NaN where a K tile read past a
-# replica slot into the next, unused one (left unwritten by the layer); the GEMM's weights are
-# rank-3 TMA tensors since, which read zeros past each matrix.
+# K = 8 >= R: tokens spread over many ranks (combine's staged partials fill up to min(R - 1, K)
+# slots), several entries of a token on one rank, and F = 32, less than one K tile of the grouped
+# matmul: its moe_ffn once gave NaN where a K tile read past a replica slot into the next, unused
+# one (left unwritten by the layer); the GEMM's weights are rank-3 TMA tensors since, which read
+# zeros past each matrix.
 SPREAD = Sizes(S=32, K=8, E=64, H=64, F=32)
 CASES = (("train", TRAIN, True), ("infer", INFER, False), ("spread", SPREAD, False))
 CALLS = 1000

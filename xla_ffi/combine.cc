@@ -1,7 +1,8 @@
 // XLA FFI handlers `moonep_combine` and `moonep_combine_weights`: check buffers against each other,
-// find this device's EP group, launch the zero-copy gathers (kernels/combine.cu).
+// find this device's EP group, launch the kernels (kernels/combine.cu).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 
 #include "kernels/combine.h"
@@ -18,6 +19,7 @@ namespace {
 
 ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer y,
                           ffi::Buffer<ffi::S32> dst, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::Result<ffi::AnyBuffer> staging,
                           ffi::Span<const int32_t> mesh_devices, int32_t num_ranks,
                           int32_t top_k, int32_t num_sms, int64_t timeout_ns) {
   constexpr const char* kOp = "moonep_combine";
@@ -44,6 +46,15 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, ffi::AnyB
       out->element_type() != y.element_type())
     return shape_error(kOp, "out", "[S, H] = [" + std::to_string(S) + ", " + std::to_string(H) +
                                        "] of y's dtype", out_dims);
+  // A token's entries go to at most min(R - 1, K) ranks other than its home: one slot each.
+  const int64_t min_slots = std::min<int64_t>(num_ranks - 1, top_k);
+  const auto staging_dims = staging->dimensions();
+  if (staging_dims.size() != 3 || staging_dims[0] != S || staging_dims[1] < min_slots ||
+      staging_dims[2] != H || staging->element_type() != y.element_type())
+    return shape_error(kOp, "staging",
+                       "[S, >= min(R - 1, K), H] = [" + std::to_string(S) + ", >= " +
+                           std::to_string(min_slots) + ", " + std::to_string(H) +
+                           "] of y's dtype", staging_dims);
 
   auto group = moonep::group_view(device_ordinal, mesh_devices, num_ranks, timeout_ns);
   if (group.has_error()) return group.error();
@@ -52,6 +63,8 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, ffi::AnyB
       .y = y.untyped_data(),
       .dst = dst.typed_data(),
       .out = out->untyped_data(),
+      .staging = staging->untyped_data(),
+      .staging_slots = static_cast<int32_t>(staging_dims[1]),
       .row_type = row_type,
       .hidden = static_cast<int32_t>(H),
       .num_tokens = static_cast<int32_t>(S),
@@ -103,6 +116,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepCombine, CombineExecute,
                                   .Arg<ffi::AnyBuffer>()         // y [NvS, H] bf16 | f32
                                   .Arg<ffi::Buffer<ffi::S32>>()  // dst [S * K] i32
                                   .Ret<ffi::AnyBuffer>()         // out [S, H] y.dtype
+                                  .Ret<ffi::AnyBuffer>()         // staging [S, G, H] y.dtype
                                   .Attr<ffi::Span<const int32_t>>("mesh_devices")
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("top_k")

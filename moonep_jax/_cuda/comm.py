@@ -68,15 +68,23 @@ def dispatch(x: jax.Array, topk_w: jax.Array, plan: Plan,
 
 
 def combine(y: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
-    """Zero-copy combine: `y [NvS, H]` -> `[S, H]`, read in place from the owners' `y`.
+    """Combine: `y [NvS, H]` -> `[S, H]`, each token's rows summed where they are, then at home.
 
     Two-stage sum of docs/CONTRACT.md (per destination rank in ascending k, rounded to y's dtype,
     then over destinations in the order of their lowest k), bitwise equal to the xla reference.
+    One row per (token, other destination rank) crosses the link: the rank holding two or more
+    of a token's rows sums them (stage 1) and stores the partial into the home's `staging` (one
+    slot per other destination rank of the token: at most min(R - 1, K)); the home reads a lone
+    row in place, and sums its own rows' stage 1 itself. `staging` is a second, discarded result
+    of the call, so XLA allocates it for the call's duration only.
     """
     _require_summable("moonep_jax.combine", "y", y)
-    out = jax.typeof(y).update(shape=(cfg.tokens_per_rank, y.shape[1]))
-    return jax.ffi.ffi_call("moonep_combine", out)(
+    S, H = cfg.tokens_per_rank, y.shape[1]
+    out = jax.typeof(y).update(shape=(S, H))
+    staging = jax.typeof(y).update(shape=(S, min(cfg.num_ranks - 1, cfg.top_k), H))
+    combined, _ = jax.ffi.ffi_call("moonep_combine", (out, staging))(
         y, plan.dst, top_k=np.int32(cfg.top_k), **_transport_attrs(cfg))
+    return combined
 
 
 def combine_weights(recv_w: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
