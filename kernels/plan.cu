@@ -12,7 +12,8 @@
 //   plan_route_kernel  (C CTAs)  stable rank of each entry within its expert, destination row,
 //                                duplicate marking; dst locally, recv_src / recv_primary rows
 //                                straight into the destination's XLA result buffers. Its last
-//                                CTA: exit barrier (no peer still writes when the call returns).
+//                                CTA: exit barrier (no peer still writes when the call returns);
+//                                a group of one takes no ticket and has no exit barrier.
 //
 // Only the last CTA of a grid waits on peers, and by then every other CTA of its grid has exited:
 // a rank holds one CTA while it spins, so the peers' grids (other processes under MPS) can run.
@@ -96,13 +97,18 @@ __device__ __forceinline__ uint32_t atom_add_acq_rel_gpu(uint32_t* p, uint32_t v
 }
 
 // Called by every thread of every CTA of the grid: whether this CTA is the last one to get here.
-// Every thread's earlier writes (peer stores included) are fenced at system scope before its CTA
-// takes the ticket, so the last CTA sees them, and a barrier it then passes publishes them to the
-// peers (kernels/transport.cuh::barrier). The last CTA resets the ticket: no CTA of this grid
-// takes one any more, and the next call's kernels start after this grid has ended.
-__device__ bool last_cta_done(int32_t* ticket) {
+// The last CTA resets the ticket: no CTA of this grid takes one any more, and the next call's
+// kernels start after this grid has ended.
+//
+// With peers (`system_scope`), every thread's earlier writes, peer stores included, are fenced at
+// system scope before its CTA takes the ticket, so the last CTA sees them, and a barrier it then
+// passes publishes them to the peers (kernels/transport.cuh::barrier). A group of one writes only
+// to this GPU: __syncthreads orders the CTA's writes before thread 0's gpu-scope acq_rel ticket,
+// and thread 0's acquire and the __syncthreads after it order the last CTA's reads, the pattern
+// of cooperative groups' grid sync, so no thread needs a fence of its own.
+__device__ bool last_cta_done(int32_t* ticket, bool system_scope) {
   __shared__ bool last;
-  __threadfence_system();
+  if (system_scope) __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
     uint32_t* t = reinterpret_cast<uint32_t*>(ticket);
@@ -110,7 +116,7 @@ __device__ bool last_cta_done(int32_t* ticket) {
     if (last) *t = 0;
   }
   __syncthreads();
-  if (last) __threadfence();  // every thread of the last CTA reads after the acquire
+  if (last && system_scope) __threadfence();  // every thread of the last CTA reads after the acquire
   return last;
 }
 
@@ -417,7 +423,7 @@ __global__ void __launch_bounds__(kCountThreads)
     p.recv_src[r] = -1;
     p.recv_primary[r] = -1;
   }
-  if (!last_cta_done(&s.counters[kCountTicket])) return;
+  if (!last_cta_done(&s.counters[kCountTicket], p.group.num_ranks > 1)) return;
   exchange_and_balance(p, gridDim.x, hist, alloc);
 }
 
@@ -563,9 +569,10 @@ __global__ void __launch_bounds__(kRouteThreads)
     }
     __syncthreads();
   }
-  // The exit barrier publishes every CTA's peer stores (fenced in last_cta_done).
-  if (!last_cta_done(&s.counters[kRouteTicket])) return;
-  group_barrier(g, kBarrierExit, current_epoch(g, kOpPlan), "plan: exit");
+  // The exit barrier publishes every CTA's peer stores (fenced in last_cta_done). A group of one
+  // has no peer and no exit barrier: its stores are ordered by the kernel boundary.
+  if (R == 1 || !last_cta_done(&s.counters[kRouteTicket], true)) return;
+  barrier(g, kBarrierExit, current_epoch(g, kOpPlan), "plan: exit");
 }
 
 MOONEP_PRELOAD_KERNEL(plan_count_kernel);
