@@ -287,27 +287,36 @@ __device__ void exchange_and_balance(const PlanParams& p, int num_chunks, int* e
   __shared__ int cand_key[kMaxCandidates];    // remote pair (e, d) as e * kMaxRanks + d
   __shared__ int cand_count[kMaxCandidates];  // alloc[e, d] of the pair
   __shared__ int num_candidates;
-  __shared__ uint32_t epoch;
   const GroupView& g = p.group;
   const int E = p.num_experts, R = g.num_ranks, B = p.num_slots, epn = E / R;
   const int tid = threadIdx.x, warp = tid >> 5;
   const Scratch s = scratch_of(g);
   const PeerArea* me = own_area(g);
 
-  if (tid == 0) epoch = next_epoch(g, kOpPlan);
+  // Thread 0's two atomics go out before sum_blocks' loads, so that they share one latency. Only
+  // thread 0 uses the epoch: it waits in the barrier and labels its timeout report.
+  uint32_t call_epoch = 0;
+  int invalid_total = 0;
+  if (tid == 0) {
+    call_epoch = next_epoch(g, kOpPlan);
+    invalid_total = atomicExch(&s.counters[kInvalidTotal], 0);
+  }
   sum_blocks(p, ceil_div(num_chunks, kChunksPerBlock), expert_count);
   __syncthreads();
+  // This rank's own counts stay in shared memory (B1 reads them there); only peers get a row.
   for (int i = tid; i < R * E; i += blockDim.x) {
-    g.areas[i / E]->counts[g.rank][i % E] = expert_count[i % E];
+    if (i / E != g.rank) g.areas[i / E]->counts[g.rank][i % E] = expert_count[i % E];
   }
   if (tid == 0) {
     // Invalid ids are this rank's business only: dropped like -1 and counted, so the peers need
     // not hear of them and no rank traps (Plan.num_invalid_ids, docs/CONTRACT.md).
-    p.num_invalid_ids[0] = atomicExch(&s.counters[kInvalidTotal], 0);
-    publish(g, kMailboxRecvSrc, p.recv_src);
-    publish(g, kMailboxRecvPrimary, p.recv_primary);
+    p.num_invalid_ids[0] = invalid_total;
+    if (R > 1) {  // the routing finds this rank's own buffers in PlanParams
+      publish(g, kMailboxRecvSrc, p.recv_src);
+      publish(g, kMailboxRecvPrimary, p.recv_primary);
+    }
   }
-  group_barrier(g, kBarrierExchange, epoch, "plan: expert count exchange");
+  group_barrier(g, kBarrierExchange, call_epoch, "plan: expert count exchange");
 
   // B1: global counts, this rank's base per expert, everything at home.
   if (tid < kMaxRanks * kMaxRanks) z[tid / kMaxRanks][tid % kMaxRanks] = 0;
@@ -319,7 +328,9 @@ __device__ void exchange_and_balance(const PlanParams& p, int num_chunks, int* e
   for (int e = tid; e < E; e += blockDim.x) {
     int v[kMaxRanks];  // loads first, so that they cost one memory latency
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) v[r] = r < R ? me->counts[r][e] : 0;
+    for (int r = 0; r < kMaxRanks; ++r) {
+      v[r] = r == g.rank ? expert_count[e] : r < R ? me->counts[r][e] : 0;
+    }
     int sum = 0, before = 0;
 #pragma unroll
     for (int r = 0; r < kMaxRanks; ++r) {
@@ -486,10 +497,13 @@ __global__ void __launch_bounds__(kRouteThreads)
     for (int k = 0; k < kChunksPerBlock - 1; ++k) base += h[k];
     next_rank[e] = base;
   }
-  if (tid < R) {
-    peer_src[tid] = static_cast<int32_t*>(const_cast<void*>(peer_address(g, kMailboxRecvSrc, tid)));
-    peer_primary[tid] =
-        static_cast<int32_t*>(const_cast<void*>(peer_address(g, kMailboxRecvPrimary, tid)));
+  if (tid < R) {  // this rank's own buffers are not published in a group of one
+    peer_src[tid] = tid == g.rank ? p.recv_src
+                                  : static_cast<int32_t*>(const_cast<void*>(
+                                        peer_address(g, kMailboxRecvSrc, tid)));
+    peer_primary[tid] = tid == g.rank ? p.recv_primary
+                                      : static_cast<int32_t*>(const_cast<void*>(
+                                            peer_address(g, kMailboxRecvPrimary, tid)));
   }
   ids.store(win_id, window_size(chunk_begin));
   __syncthreads();
