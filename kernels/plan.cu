@@ -1,14 +1,14 @@
 // The CUDA planner (see plan.h). Two kernels on XLA's stream, per rank. The serial phases run
-// in the last CTA of each grid to finish ("last CTA done": every CTA fences its writes and takes a
+// in the last CTA of each grid to finish ("last CTA done": every CTA releases its writes with a
 // ticket in this rank's scratch), so no launch exists only to run one CTA:
 //
 //   plan_count_kernel  (C CTAs)  per-chunk expert histograms, their sums per block of
 //                                kChunksPerBlock chunks and the invalid-id count of the local
 //                                entries; marks this rank's recv_src / recv_primary rows as -1.
 //                                Its last CTA: local counts -> every peer's counts region, recv
-//                                addresses -> every peer's mailbox, barrier; then, replicated on
-//                                every rank and in shared memory, B1-B3 and the generation-1
-//                                layout of all R destinations.
+//                                addresses -> every peer's mailbox, barrier (none of the three in
+//                                a group of one); then, replicated on every rank and in shared
+//                                memory, B1-B3 and the generation-1 layout of all R destinations.
 //   plan_route_kernel  (C CTAs)  stable rank of each entry within its expert, destination row,
 //                                duplicate marking; dst locally, recv_src / recv_primary rows
 //                                straight into the destination's XLA result buffers. Its last
