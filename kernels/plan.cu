@@ -1,18 +1,19 @@
 // The CUDA planner (see plan.h). Two kernels on XLA's stream, per rank. The serial phases run
-// in the last CTA of each grid to finish ("last CTA done": every CTA fences its writes and takes a
+// in the last CTA of each grid to finish ("last CTA done": every CTA releases its writes with a
 // ticket in this rank's scratch), so no launch exists only to run one CTA:
 //
 //   plan_count_kernel  (C CTAs)  per-chunk expert histograms, their sums per block of
 //                                kChunksPerBlock chunks and the invalid-id count of the local
 //                                entries; marks this rank's recv_src / recv_primary rows as -1.
 //                                Its last CTA: local counts -> every peer's counts region, recv
-//                                addresses -> every peer's mailbox, barrier; then, replicated on
-//                                every rank and in shared memory, B1-B3 and the generation-1
-//                                layout of all R destinations.
+//                                addresses -> every peer's mailbox, barrier (none of the three in
+//                                a group of one); then, replicated on every rank and in shared
+//                                memory, B1-B3 and the generation-1 layout of all R destinations.
 //   plan_route_kernel  (C CTAs)  stable rank of each entry within its expert, destination row,
 //                                duplicate marking; dst locally, recv_src / recv_primary rows
 //                                straight into the destination's XLA result buffers. Its last
-//                                CTA: exit barrier (no peer still writes when the call returns).
+//                                CTA: exit barrier (no peer still writes when the call returns);
+//                                a group of one takes no ticket and has no exit barrier.
 //
 // Only the last CTA of a grid waits on peers, and by then every other CTA of its grid has exited:
 // a rank holds one CTA while it spins, so the peers' grids (other processes under MPS) can run.
@@ -96,13 +97,18 @@ __device__ __forceinline__ uint32_t atom_add_acq_rel_gpu(uint32_t* p, uint32_t v
 }
 
 // Called by every thread of every CTA of the grid: whether this CTA is the last one to get here.
-// Every thread's earlier writes (peer stores included) are fenced at system scope before its CTA
-// takes the ticket, so the last CTA sees them, and a barrier it then passes publishes them to the
-// peers (kernels/transport.cuh::barrier). The last CTA resets the ticket: no CTA of this grid
-// takes one any more, and the next call's kernels start after this grid has ended.
-__device__ bool last_cta_done(int32_t* ticket) {
+// The last CTA resets the ticket: no CTA of this grid takes one any more, and the next call's
+// kernels start after this grid has ended.
+//
+// With peers (`system_scope`), every thread's earlier writes, peer stores included, are fenced at
+// system scope before its CTA takes the ticket, so the last CTA sees them, and a barrier it then
+// passes publishes them to the peers (kernels/transport.cuh::barrier). A group of one writes only
+// to this GPU: __syncthreads orders the CTA's writes before thread 0's gpu-scope acq_rel ticket,
+// and thread 0's acquire and the __syncthreads after it order the last CTA's reads, the pattern
+// of cooperative groups' grid sync, so no thread needs a fence of its own.
+__device__ bool last_cta_done(int32_t* ticket, bool system_scope) {
   __shared__ bool last;
-  __threadfence_system();
+  if (system_scope) __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
     uint32_t* t = reinterpret_cast<uint32_t*>(ticket);
@@ -110,7 +116,8 @@ __device__ bool last_cta_done(int32_t* ticket) {
     if (last) *t = 0;
   }
   __syncthreads();
-  if (last) __threadfence();  // every thread of the last CTA reads after the acquire
+  // With peers, every thread of the last CTA also fences before it reads (after the acquire).
+  if (last && system_scope) __threadfence();
   return last;
 }
 
@@ -281,27 +288,36 @@ __device__ void exchange_and_balance(const PlanParams& p, int num_chunks, int* e
   __shared__ int cand_key[kMaxCandidates];    // remote pair (e, d) as e * kMaxRanks + d
   __shared__ int cand_count[kMaxCandidates];  // alloc[e, d] of the pair
   __shared__ int num_candidates;
-  __shared__ uint32_t epoch;
   const GroupView& g = p.group;
   const int E = p.num_experts, R = g.num_ranks, B = p.num_slots, epn = E / R;
   const int tid = threadIdx.x, warp = tid >> 5;
   const Scratch s = scratch_of(g);
   const PeerArea* me = own_area(g);
 
-  if (tid == 0) epoch = next_epoch(g, kOpPlan);
+  // Thread 0's two atomics go out before sum_blocks' loads, so that they share one latency. Only
+  // thread 0 uses the epoch: it waits in the barrier and labels its timeout report.
+  uint32_t call_epoch = 0;
+  int invalid_total = 0;
+  if (tid == 0) {
+    call_epoch = next_epoch(g, kOpPlan);
+    invalid_total = atomicExch(&s.counters[kInvalidTotal], 0);
+  }
   sum_blocks(p, ceil_div(num_chunks, kChunksPerBlock), expert_count);
   __syncthreads();
+  // This rank's own counts stay in shared memory (B1 reads them there); only peers get a row.
   for (int i = tid; i < R * E; i += blockDim.x) {
-    g.areas[i / E]->counts[g.rank][i % E] = expert_count[i % E];
+    if (i / E != g.rank) g.areas[i / E]->counts[g.rank][i % E] = expert_count[i % E];
   }
   if (tid == 0) {
     // Invalid ids are this rank's business only: dropped like -1 and counted, so the peers need
     // not hear of them and no rank traps (Plan.num_invalid_ids, docs/CONTRACT.md).
-    p.num_invalid_ids[0] = atomicExch(&s.counters[kInvalidTotal], 0);
-    publish(g, kMailboxRecvSrc, p.recv_src);
-    publish(g, kMailboxRecvPrimary, p.recv_primary);
+    p.num_invalid_ids[0] = invalid_total;
+    if (R > 1) {  // the routing finds this rank's own buffers in PlanParams
+      publish(g, kMailboxRecvSrc, p.recv_src);
+      publish(g, kMailboxRecvPrimary, p.recv_primary);
+    }
   }
-  group_barrier(g, kBarrierExchange, epoch, "plan: expert count exchange");
+  group_barrier(g, kBarrierExchange, call_epoch, "plan: expert count exchange");
 
   // B1: global counts, this rank's base per expert, everything at home.
   if (tid < kMaxRanks * kMaxRanks) z[tid / kMaxRanks][tid % kMaxRanks] = 0;
@@ -313,7 +329,9 @@ __device__ void exchange_and_balance(const PlanParams& p, int num_chunks, int* e
   for (int e = tid; e < E; e += blockDim.x) {
     int v[kMaxRanks];  // loads first, so that they cost one memory latency
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) v[r] = r < R ? me->counts[r][e] : 0;
+    for (int r = 0; r < kMaxRanks; ++r) {
+      v[r] = r == g.rank ? expert_count[e] : r < R ? me->counts[r][e] : 0;
+    }
     int sum = 0, before = 0;
 #pragma unroll
     for (int r = 0; r < kMaxRanks; ++r) {
@@ -417,7 +435,7 @@ __global__ void __launch_bounds__(kCountThreads)
     p.recv_src[r] = -1;
     p.recv_primary[r] = -1;
   }
-  if (!last_cta_done(&s.counters[kCountTicket])) return;
+  if (!last_cta_done(&s.counters[kCountTicket], p.group.num_ranks > 1)) return;
   exchange_and_balance(p, gridDim.x, hist, alloc);
 }
 
@@ -447,14 +465,91 @@ struct WindowIds {
   }
 };
 
-__global__ void __launch_bounds__(kRouteThreads)
+constexpr int kRouteWarps = kRouteThreads / 32;
+constexpr int kBaseExpertsPerThread = 2;  // experts whose base loads one thread issues at once
+
+// next_rank[e] = the chunk's base of expert e: entries of e on ranks before this one, in blocks
+// before this chunk's, and in the chunks before it in its block. Each thread issues the loads of
+// kBaseExpertsPerThread experts before summing any, so that they cost one memory latency.
+__device__ void load_chunk_base(const Scratch& s, int E, int chunk, int* next_rank) {
+  const int block = chunk / kChunksPerBlock, block_first = block * kChunksPerBlock;
+  for (int e0 = threadIdx.x; e0 < E; e0 += kBaseExpertsPerThread * kRouteThreads) {
+    int h[kBaseExpertsPerThread][kChunksPerBlock + 1];
+#pragma unroll
+    for (int u = 0; u < kBaseExpertsPerThread; ++u) {
+      const int e = e0 + u * kRouteThreads;
+#pragma unroll
+      for (int k = 0; k < kChunksPerBlock - 1; ++k) {
+        h[u][k] = e < E && block_first + k < chunk ? s.chunk_counts[(block_first + k) * E + e] : 0;
+      }
+      h[u][kChunksPerBlock - 1] = e < E ? s.rank_base[e] : 0;
+      h[u][kChunksPerBlock] = e < E ? s.block_base[block * E + e] : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kBaseExpertsPerThread; ++u) {
+      const int e = e0 + u * kRouteThreads;
+      int base = 0;
+#pragma unroll
+      for (int k = 0; k <= kChunksPerBlock; ++k) base += h[u][k];
+      if (e < E) next_rank[e] = base;
+    }
+  }
+}
+
+// Entries of a window that warp w ranks: [w * span, (w + 1) * span), a multiple of 32 entries.
+__device__ __forceinline__ int warp_span(int n) { return ceil_div(n, kRouteThreads) * 32; }
+
+// Stable rank of each window entry within its expert, in two steps. Each warp walks its span in
+// ascending j, 32 at a time: win_row[j] = entries of the same expert before j in the span, and
+// warp_count[w][e] (zero on entry) = entries of e in warp w's span. Then, per expert, warp_count
+// becomes each warp's base (next_rank plus the entries of the spans before it), and next_rank
+// moves past the window. So warp_count[w][id] + win_row[j] is the global rank, the same as one
+// walk over the whole window in ascending j.
+__device__ void rank_window(int n, int E, const int* win_id, int* win_row, int* next_rank,
+                            int* warp_count) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, span = warp_span(n);
+  const int end = min(n, (warp + 1) * span);
+  int* count = warp_count + warp * E;
+  for (int j0 = warp * span; j0 < end; j0 += 32) {
+    const int j = j0 + lane;
+    const int id = j < end ? win_id[j] : -1;
+    const bool valid = id >= 0 && id < E;
+    const unsigned same = __match_any_sync(kFullMask, valid ? id : -1);
+    const int before = __popc(same & ((1u << lane) - 1u));
+    if (valid) win_row[j] = count[id] + before;
+    __syncwarp();
+    if (valid && before == 0) count[id] += __popc(same);
+    __syncwarp();
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += kRouteThreads) {
+    int run = next_rank[e];
+#pragma unroll
+    for (int w = 0; w < kRouteWarps; ++w) {
+      const int c = warp_count[w * E + e];
+      warp_count[w * E + e] = run;
+      run += c;
+    }
+    next_rank[e] = run;
+  }
+  __syncthreads();
+}
+
+__device__ void zero_warp_counts(int E, int* warp_count) {
+  for (int i = threadIdx.x; i < kRouteWarps * E; i += kRouteThreads) warp_count[i] = 0;
+}
+
+// minBlocksPerMultiprocessor 1: without it ptxas caps the registers for more resident CTAs than
+// a grid of at most kMaxPlanChunks CTAs needs, and spills around the chunk base's loads.
+__global__ void __launch_bounds__(kRouteThreads, 1)
     plan_route_kernel(const PlanParams p, int tokens_per_chunk) {
   __shared__ int next_rank[kMaxExperts];  // global rank of the next entry of expert e
-  __shared__ int win_id[kRouteWindow];     // the window's expert ids
+  __shared__ int win_id[kRouteWindow];    // the window's expert ids
   __shared__ int win_dest[kRouteWindow];
-  __shared__ int win_row[kRouteWindow];   // global rank within the expert, then the row
+  __shared__ int win_row[kRouteWindow];  // rank within the expert in a warp's span, then the row
   __shared__ int32_t* peer_src[kMaxRanks];
   __shared__ int32_t* peer_primary[kMaxRanks];
+  extern __shared__ int warp_count[];  // [kRouteWarps][E], see rank_window
   const GroupView& g = p.group;
   const int E = p.num_experts, K = p.top_k, R = g.num_ranks, tid = threadIdx.x;
   const int num_entries = p.num_tokens * K, chunk = blockIdx.x;
@@ -466,50 +561,27 @@ __global__ void __launch_bounds__(kRouteThreads)
 
   WindowIds ids;
   ids.load(p.topk_idx + chunk_begin * K, window_size(chunk_begin));
-  // The chunk's base: ranks before this one, blocks before this chunk's, and the chunks before it
-  // in its block.
-  const int block = chunk / kChunksPerBlock, block_first = block * kChunksPerBlock;
-  for (int e = tid; e < E; e += blockDim.x) {
-    int h[kChunksPerBlock - 1];  // loads first, so that they cost one memory latency
-#pragma unroll
-    for (int k = 0; k < kChunksPerBlock - 1; ++k) {
-      h[k] = block_first + k < chunk ? s.chunk_counts[(block_first + k) * E + e] : 0;
-    }
-    int base = s.rank_base[e] + s.block_base[block * E + e];
-#pragma unroll
-    for (int k = 0; k < kChunksPerBlock - 1; ++k) base += h[k];
-    next_rank[e] = base;
-  }
-  if (tid < R) {
-    peer_src[tid] = static_cast<int32_t*>(const_cast<void*>(peer_address(g, kMailboxRecvSrc, tid)));
-    peer_primary[tid] =
-        static_cast<int32_t*>(const_cast<void*>(peer_address(g, kMailboxRecvPrimary, tid)));
+  load_chunk_base(s, E, chunk, next_rank);
+  zero_warp_counts(E, warp_count);
+  if (tid < R) {  // a group of one publishes no addresses: its own buffers are in PlanParams
+    auto published = [&](int slot) {
+      return static_cast<int32_t*>(const_cast<void*>(peer_address(g, slot, tid)));
+    };
+    peer_src[tid] = tid == g.rank ? p.recv_src : published(kMailboxRecvSrc);
+    peer_primary[tid] = tid == g.rank ? p.recv_primary : published(kMailboxRecvPrimary);
   }
   ids.store(win_id, window_size(chunk_begin));
   __syncthreads();
 
   for (int t0 = chunk_begin; t0 < chunk_end; t0 += window_tokens) {
-    const int first = t0 * K, n = window_size(t0);
+    const int first = t0 * K, n = window_size(t0), span = warp_span(n);
     if (t0 != chunk_begin) {  // the first window's ids came with the base
       ids.load(p.topk_idx + first, n);
       ids.store(win_id, n);
+      zero_warp_counts(E, warp_count);
       __syncthreads();
     }
-    // Stable rank within the expert: one warp walks the window in ascending i, 32 at a time.
-    if (tid < 32) {
-      for (int j0 = 0; j0 < n; j0 += 32) {
-        const int j = j0 + tid;
-        const int id = j < n ? win_id[j] : -1;
-        const bool valid = id >= 0 && id < E;
-        const unsigned same = __match_any_sync(kFullMask, valid ? id : -1);
-        const int before = __popc(same & ((1u << tid) - 1u));
-        if (valid) win_row[j] = next_rank[id] + before;
-        __syncwarp();
-        if (valid && before == 0) next_rank[id] += __popc(same);
-        __syncwarp();
-      }
-    }
-    __syncthreads();
+    rank_window(n, E, win_id, win_row, next_rank, warp_count);
     // Phase D: destination = number of d with alloc_cum[e, d] <= rank; row on it.
 #pragma unroll 2
     for (int j = tid; j < n; j += blockDim.x) {
@@ -518,7 +590,7 @@ __global__ void __launch_bounds__(kRouteThreads)
         win_dest[j] = -1;
         continue;
       }
-      const int rank_in_expert = win_row[j];
+      const int rank_in_expert = warp_count[j / span * E + id] + win_row[j];
       int cum[kMaxRanks], shift[kMaxRanks];  // loads first, so that they cost one memory latency
 #pragma unroll
       for (int d = 0; d < kMaxRanks; ++d) {
@@ -563,9 +635,10 @@ __global__ void __launch_bounds__(kRouteThreads)
     }
     __syncthreads();
   }
-  // The exit barrier publishes every CTA's peer stores (fenced in last_cta_done).
-  if (!last_cta_done(&s.counters[kRouteTicket])) return;
-  group_barrier(g, kBarrierExit, current_epoch(g, kOpPlan), "plan: exit");
+  // The exit barrier publishes every CTA's peer stores (fenced in last_cta_done). A group of one
+  // has no peer and no exit barrier: its stores are ordered by the kernel boundary.
+  if (R == 1 || !last_cta_done(&s.counters[kRouteTicket], true)) return;
+  barrier(g, kBarrierExit, current_epoch(g, kOpPlan), "plan: exit");
 }
 
 MOONEP_PRELOAD_KERNEL(plan_count_kernel);
@@ -581,8 +654,9 @@ cudaError_t launch_plan(const PlanParams& p, cudaStream_t stream) {
   const int tokens_per_chunk = ceil_div(p.num_tokens, wanted);
   const int num_chunks = ceil_div(p.num_tokens, tokens_per_chunk);
 
-  // The last count CTA keeps alloc [E][R] in dynamic shared memory. The limit is set to the
-  // largest size, the same on every call and every thread, so concurrent launches agree on it.
+  // The last count CTA keeps alloc [E][R] in dynamic shared memory, and a routing CTA its
+  // per-warp counts [kRouteWarps][E]. Each limit is set to the largest size, the same on every
+  // call and every thread, so concurrent launches agree on it.
   constexpr int kMaxAllocBytes = int(sizeof(int32_t)) * kMaxExperts * kMaxRanks;
   if (cudaError_t err = cudaFuncSetAttribute(
           plan_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxAllocBytes);
@@ -592,7 +666,14 @@ cudaError_t launch_plan(const PlanParams& p, cudaStream_t stream) {
   const size_t alloc_bytes = sizeof(int32_t) * p.num_experts * p.group.num_ranks;
   plan_count_kernel<<<num_chunks, kCountThreads, alloc_bytes, stream>>>(p, tokens_per_chunk);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  plan_route_kernel<<<num_chunks, kRouteThreads, 0, stream>>>(p, tokens_per_chunk);
+  constexpr int kMaxWarpCountBytes = int(sizeof(int)) * kRouteWarps * kMaxExperts;
+  if (cudaError_t err = cudaFuncSetAttribute(
+          plan_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxWarpCountBytes);
+      err != cudaSuccess) {
+    return err;
+  }
+  const size_t warp_count_bytes = sizeof(int) * kRouteWarps * p.num_experts;
+  plan_route_kernel<<<num_chunks, kRouteThreads, warp_count_bytes, stream>>>(p, tokens_per_chunk);
   return cudaGetLastError();
 }
 
