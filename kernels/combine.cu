@@ -174,11 +174,11 @@ __global__ void __launch_bounds__(kThreads) combine_partial_kernel(CombineParams
 // Vectors per lane loaded together from one row in stage 2: several 16-byte loads in flight.
 constexpr int kUnroll = 4;
 
-// Stage 2 on the home, after the middle barrier (at R = 1 the whole combine). One warp per
-// token. The warp walks the row in chunks of 32 * kUnroll vectors: for each group, in leader
-// order, it adds the group's stage-1 partial to the fp32 accumulator: the staged partial of a
-// remote group of two or more rows, else the group's rows (its own, or a lone row read in place
-// from its owner) summed in k order in fp32 and rounded to T.
+// Stage 2 on the home, after the middle barrier (without staging slots, the whole combine). One
+// warp per token. The warp walks the row in chunks of 32 * kUnroll vectors: for each group, in
+// leader order, it adds the group's stage-1 partial to the fp32 accumulator: the staged partial
+// of a remote group of two or more rows when the owners sum, else the group's rows (its own, or
+// an owner's read in place) summed in k order in fp32 and rounded to T.
 template <typename T, typename Vec>
 // One CTA per SM (launched so): the register budget of a 512-thread CTA alone.
 __global__ void __launch_bounds__(kThreads, 1) combine_sum_kernel(CombineParams p) {
@@ -195,6 +195,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_sum_kernel(CombineParams 
   const int num_warps = gridDim.x * kWarpsPerCta;
   for (int t = blockIdx.x * kWarpsPerCta + threadIdx.x / 32; t < p.num_tokens; t += num_warps) {
     const TokenEntries e = token_entries(p.group, load_dst(p.dst, t, p.top_k), p.nvs, me);
+    // Remote groups of two or more rows were summed by their owners, when the owners sum.
+    const unsigned staged = p.staging_slots > 0 ? e.remote : 0u;
     Vec* out = reinterpret_cast<Vec*>(static_cast<char*>(p.out) + t * row_bytes);
     // Every lane runs every step, whatever the row size (the ballots and shuffles below need the
     // whole warp); loads and stores past the row are masked.
@@ -204,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_sum_kernel(CombineParams 
       for (unsigned g = e.leaders; g; g &= g - 1) {
         const int group_leader = __ffs(g) - 1;
         const unsigned members = __ballot_sync(kFullMask, e.leader == group_leader);
-        if (((e.remote >> group_leader) & 1u) && __popc(members) > 1) {  // warp-uniform
+        if (((staged >> group_leader) & 1u) && __popc(members) > 1) {  // warp-uniform
           const int64_t slot =
               static_cast<int64_t>(t) * p.staging_slots + lanes_below(e.remote, group_leader);
           const Vec* in =
@@ -253,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_sum_kernel(CombineParams 
 
 template <typename T, typename Vec>
 cudaError_t launch_data_kernels(const CombineParams& p, cudaStream_t stream) {
-  if (p.group.num_ranks > 1) {  // alone, a rank holds all its tokens' rows: no first phase
+  if (p.staging_slots > 0) {  // the owners sum first (never alone: R = 1 has no slot)
     combine_partial_kernel<T, Vec><<<p.num_sms, kThreads, 0, stream>>>(p);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
     if (const cudaError_t err = launch_middle_rendezvous(p.group, kOpCombine, stream);

@@ -1,5 +1,6 @@
 // moonep_combine: the rank that holds a token's rows sums them (stage 1) and pushes that partial
-// row to the token's home (or the home reads a lone row in place), which sums them (stage 2).
+// row to the token's home (or the home reads a lone row in place), which sums them (stage 2); or,
+// without staging slots, the home reads every row in place and does both stages.
 // moonep_combine_weights: zero-copy gather of every entry's weight, read in place from its owner.
 #pragma once
 
@@ -22,7 +23,8 @@ struct CombineParams {
                               // buffer): slot j of token t receives the stage-1 partial of t's
                               // j-th remote destination rank (in the order of their lowest k)
                               // when two or more of t's entries went there
-  int32_t staging_slots;      // >= min(R - 1, K): a token has at most that many remote ranks
+  int32_t staging_slots;      // >= min(R - 1, K) (a token has at most that many remote ranks):
+                              // the owners sum; 0: the home reads every row in place
   RowType row_type;           // dtype of y and out
   int32_t hidden;             // H
   int32_t num_tokens;         // S
@@ -34,12 +36,13 @@ struct CombineParams {
 // out[t] = cast( sum over destination ranks d of t's entries, ordered by their lowest k, of
 // fp32(cast( sum over k ascending with dest_k == d of fp32(y_d[row_k]) )) ), every sum starting at
 // +0.0 (docs/CONTRACT.md); dropped entries, and entries that decode out of range (reported as bad
-// plan data), contribute nothing. One row per (token, other destination rank) crosses the link:
-// entry barrier (publishes staging, dst and y); each rank reads its peers' dst and, for each of
-// their tokens with two or more entries on it, sums those rows (stage 1) and stores the partial
-// into the home's staging; middle barrier; each rank sums its tokens (stage 2) from the staged
-// partials, the single rows of the other groups read in place from their owners, and the stage 1
-// of its own rows; exit barrier (keeps every y alive until its readers are done). Launches only
+// plan data), contribute nothing. With staging slots, one row per (token, other destination rank)
+// crosses the link: entry barrier (publishes staging, dst and y); each rank reads its peers' dst
+// and, for each of their tokens with two or more entries on it, sums those rows (stage 1) and
+// stores the partial into the home's staging; middle barrier; each rank sums its tokens (stage 2)
+// from the staged partials, the single rows of the other groups read in place from their owners,
+// and the stage 1 of its own rows; exit barrier (keeps every y alive until its readers are done).
+// Without: entry barrier, the home reads every row in place, exit barrier. Launches only
 // (CUDA-graph safe).
 cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream);
 

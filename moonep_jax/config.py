@@ -35,10 +35,17 @@ class CudaOptions:
         an H200); a smaller number leaves SMs to work that runs concurrently.
       timeout_s: upper bound of every cross-GPU wait. A wait that expires reports the EP rank, the
         epoch and what it waited for, instead of hanging the GPU.
+      combine_on_owner: whether combine's first stage (a token's rows on one rank summed, in k
+        order) runs on the rank that holds the rows, which then sends one row per (token, rank)
+        to the token's home; False: the home reads every row in place. None (the default): True
+        when the EP ranks are different GPUs (fewest bytes over NVLink), False when they all
+        share one GPU (processes under MPS: the peers' rows are in the same HBM, and reading them
+        in place moves the fewest bytes). Both give bitwise the same result.
     """
 
     num_sms: int | None = None
     timeout_s: float = 10.0
+    combine_on_owner: bool | None = None
 
     def __post_init__(self):
         if self.num_sms is not None and (isinstance(self.num_sms, bool)
@@ -48,6 +55,9 @@ class CudaOptions:
                              f"[1, 1024]; got {self.num_sms!r}.")
         if not self.timeout_s > 0:
             raise ValueError(f"`CudaOptions.timeout_s` must be > 0 seconds; got {self.timeout_s!r}.")
+        if self.combine_on_owner is not None and not isinstance(self.combine_on_owner, bool):
+            raise ValueError("`CudaOptions.combine_on_owner` must be None (decided by the devices), "
+                             f"True or False; got {self.combine_on_owner!r}.")
 
 
 def _as_int(name: str, value, lo: int = 1) -> int:

@@ -22,11 +22,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import moonep_jax
 from moonep_jax import _checks, launch, routing
+from moonep_jax._cuda import transport
 
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-    """Per-rank shapes: S tokens, top-K, E experts (global), H hidden, F ffn, B slots, tp."""
+    """Per-rank shapes: S tokens, top-K, E experts (global), H hidden, F ffn, B slots, tp; and
+    how the CUDA combine sums (`CudaOptions.combine_on_owner`)."""
 
     S: int = 8
     K: int = 3
@@ -35,6 +37,11 @@ class Sizes:
     F: int = 8
     B: int | None = None
     tp: int = 1
+    combine_on_owner: bool | None = None
+
+
+def cuda_options(sizes: Sizes, timeout_s: float) -> moonep_jax.CudaOptions:
+    return moonep_jax.CudaOptions(timeout_s=timeout_s, combine_on_owner=sizes.combine_on_owner)
 
 
 def config(R: int, sizes: Sizes, impl: str, **overrides) -> moonep_jax.EPConfig:
@@ -111,7 +118,7 @@ def _compiled(impl: str, backend: str, sizes: Sizes, grads: bool, timeout_s: flo
     """(mesh, cfg, jitted per-rank ops) for one configuration: compiled once, fed many inputs."""
     mesh = mesh_of(backend)
     R = mesh.devices.size
-    cfg = config(R, sizes, impl, cuda=moonep_jax.CudaOptions(timeout_s=timeout_s))
+    cfg = config(R, sizes, impl, cuda=cuda_options(sizes, timeout_s))
     if impl == "cuda":
         moonep_jax.bootstrap(mesh, "ep")
 
@@ -192,7 +199,7 @@ def _bits_checksum(a: jax.Array) -> jax.Array:
 @functools.cache
 def _comm_loop_fn(impl: str, backend: str, sizes: Sizes, timeout_s: float):
     mesh = mesh_of(backend)
-    cfg = config(mesh.devices.size, sizes, impl, cuda=moonep_jax.CudaOptions(timeout_s=timeout_s))
+    cfg = config(mesh.devices.size, sizes, impl, cuda=cuda_options(sizes, timeout_s))
     if impl == "cuda":
         moonep_jax.bootstrap(mesh, "ep")
 
@@ -257,10 +264,13 @@ def die_mid_run(seed: int, victim: int, calls: int, sizes: Sizes, timeout_s: flo
 
 def gpu_suite(seed: int, maxvios: tuple, cases: tuple, calls: int, impl: str = "cuda",
               backend: str = "gpu") -> dict:
-    """`gpu_vs_cpu`, then `back_to_back`, in the same processes (one start-up for both)."""
+    """`gpu_vs_cpu`, then `back_to_back` (with the owners summing combine's first stage, the
+    path of EP groups over several GPUs), in the same processes (one start-up for both); and
+    whether bootstrap found the group on one GPU."""
     ops = gpu_vs_cpu(seed, maxvios, cases, impl, backend)
-    return {"ops": ops,
-            "loop": back_to_back(seed + 1, calls, cases[0][1], impl=impl, backend=backend)}
+    loop_sizes = dataclasses.replace(cases[0][1], combine_on_owner=True)
+    return {"ops": ops, "loop": back_to_back(seed + 1, calls, loop_sizes, impl=impl, backend=backend),
+            "on_one_gpu": sorted(set(transport._on_one_gpu.values()))}
 
 
 # ---- GPU: the planner back to back, with many CTAs per kernel grid and changing shapes --------

@@ -36,12 +36,13 @@ WORKLOADS = str(Path(__file__).with_name("_mp_workloads.py"))
 MAXVIOS = (0.0, 1.0, 20.0)
 TRAIN = Sizes(S=32, K=2, E=64, H=64, F=32)
 INFER = Sizes(S=32, K=2, E=64, H=64, F=32, B=2, tp=2)
-# K = 8 >= R: tokens spread over many ranks (combine's staged partials fill up to min(R - 1, K)
-# slots), several entries of a token on one rank, and F = 32, less than one K tile of the grouped
-# matmul: its moe_ffn once gave NaN where a K tile read past a replica slot into the next, unused
-# one (left unwritten by the layer); the GEMM's weights are rank-3 TMA tensors since, which read
-# zeros past each matrix.
-SPREAD = Sizes(S=32, K=8, E=64, H=64, F=32)
+# K = 8 >= R: tokens spread over many ranks, several entries of a token on one rank (with the
+# owners summing combine's first stage, as over several GPUs: its staged partials fill up to
+# min(R - 1, K) slots; TRAIN and INFER take the default, the home reading in place on one GPU),
+# and F = 32, less than one K tile of the grouped matmul: its moe_ffn once gave NaN where a K tile
+# read past a replica slot into the next, unused one (left unwritten by the layer); the GEMM's
+# weights are rank-3 TMA tensors since, which read zeros past each matrix.
+SPREAD = Sizes(S=32, K=8, E=64, H=64, F=32, combine_on_owner=True)
 CASES = (("train", TRAIN, True), ("infer", INFER, False), ("spread", SPREAD, False))
 CALLS = 1000
 # Plan grids of 40 CTAs (3 blocks of chunks, the last partial), 8 and 32 per rank, and the largest
@@ -67,6 +68,8 @@ def test_cuda_ops_in_processes_sharing_one_gpu_match_xla(mps_env, seed, R):
     results = launch.run(f"{WORKLOADS}:gpu_suite", R, (seed, MAXVIOS, CASES, CALLS),
                          platform="gpu", env=_env(mps_env, R), timeout_s=300)
     check_suite([r.value for r in results], f"R={R}", CALLS)
+    # Every process found its group's ranks on one GPU (combine's default: read in place).
+    assert all(r.value["on_one_gpu"] == [True] for r in results)
 
 
 @pytest.mark.parametrize("R", [2, 8])

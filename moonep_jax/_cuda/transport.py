@@ -54,6 +54,7 @@ _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 _registered: dict[tuple, dict[bytes, np.ndarray]] = {}
 _groups: set[tuple[int, ...]] = set()  # device ids of the groups registered in the extension
 _sm_counts: dict[int, int | None] = {}  # device id -> SMs (JAX's core_count), local devices
+_on_one_gpu: dict[int, bool] = {}  # device id -> whether all of its EP group share one GPU
 _pools: dict[tuple[int, int], int] = {}  # (peer pid, peer pool base) -> mapped base here
 _lock = threading.Lock()
 
@@ -105,8 +106,10 @@ def bootstrap(mesh: jax.sharding.Mesh, axis_name: str = "ep", *,
                 _sm_counts[d.id] = getattr(d, "core_count", None)
         if all(d.process_index == jax.process_index() for d in group):
             lib.register_group([(d.id, d.local_hardware_id, 0, 0, 0, 0) for d in group])
+            one_gpu = len(group) == 1  # one process's JAX devices are distinct GPUs
         else:
-            _bootstrap_across_processes(lib, group, timeout_s)
+            one_gpu = _bootstrap_across_processes(lib, group, timeout_s)
+        _on_one_gpu.update((d.id, one_gpu) for d in group)
         _groups.add(ids)
     with _lock:
         _registered.setdefault(key, {})[table.tobytes()] = table
@@ -167,6 +170,18 @@ def comm_ctas(cfg, mesh_devices: np.ndarray) -> int:
             f"JAX does not report the SM count (`core_count`) of this process's EP devices "
             f"({counts}); set `CudaOptions(num_sms=...)` in the EPConfig.")
     return min(counts)
+
+
+def combine_on_owner(cfg, mesh_devices: np.ndarray) -> bool:
+    """Whether combine sums a token's rows on the rank that holds them (`CudaOptions.
+    combine_on_owner`; by default unless this process's EP groups among `mesh_devices` each
+    share one GPU). Every process of a group decides alike: bootstrap told each one every
+    member's GPU (no side effect)."""
+    if cfg.cuda.combine_on_owner is not None:
+        return cfg.cuda.combine_on_owner
+    with _lock:
+        known = [_on_one_gpu[i] for i in map(int, mesh_devices) if i in _on_one_gpu]
+    return not (known and all(known))
 
 
 def device_table(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
@@ -260,7 +275,8 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _bootstrap_across_processes(lib, group: list[jax.Device], timeout_s: float) -> None:
+def _bootstrap_across_processes(lib, group: list[jax.Device], timeout_s: float) -> bool:
+    """Registers `group` (devices of several processes); returns whether they share one GPU."""
     check_pool_settings()
     me = jax.process_index()
     tag = "moonep_jax/transport/" + "-".join(str(d.id) for d in group)
@@ -316,6 +332,7 @@ def _bootstrap_across_processes(lib, group: list[jax.Device], timeout_s: float) 
             os.close(fd)
     lib.register_group(ranks)
     _distributed.barrier(f"{tag}/ready", timeout_s, processes)
+    return len({lib.pci_bus_id(o) for o in ordinals} | {p["pci"] for p in peers.values()}) == 1
 
 
 def _export_pool(lib, device: jax.Device) -> tuple[int, int, int]:
