@@ -62,6 +62,7 @@ import moonep_jax
 from moonep_jax import _checks, _ffi, routing
 from moonep_jax.combine import combine
 from moonep_jax.dispatch import decode_dst, dispatch
+from moonep_jax._cuda import transport
 from moonep_jax.plan import plan
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -273,7 +274,8 @@ def combine_groups(rows: dict) -> tuple[np.ndarray, np.ndarray]:
     return (primaries_to - shared) * others, shared * others
 
 
-def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: int) -> dict:
+def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: int,
+              on_owner: bool) -> dict:
     """Per op and rank, the bytes its kernels read and write, from `traffic` of all R ranks:
     row data, route weights and the plan arrays the data kernels read (not the barriers'
     flags). A rank's loads from a peer's buffers count as that rank's reads.
@@ -284,11 +286,13 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
     dst (checked), per pulled token the K dst entries and weights of its source, per owned row
     its owner's dst entry, per duplicate row its primary's recv_src, recv_primary and dst entry
     and, when its primary is pulled, its own recv_src and recv_primary again. The link carries
-    one row per (token, remote rank): `dedup_remote_rows`. combine: each rank reads the dst of
-    every rank, and for each (token of another home, this rank) of two or more entries it reads
-    their rows and stores one partial into that home's staging; the home reads its own tokens'
-    rows, one staged partial or lone row (from its owner) per (token, other destination rank),
-    and writes [S, H]. plan: topk_idx in and the Plan out only (its histogram exchange is not
+    one row per (token, remote rank): `dedup_remote_rows`. combine, `on_owner`
+    (`CudaOptions.combine_on_owner` as the op resolved it): each rank reads the dst of every
+    rank, and for each (token of another home, this rank) of two or more entries it reads their
+    rows and stores one partial into that home's staging; the home reads its own tokens' rows,
+    one staged partial or lone row (from its owner) per (token, other destination rank), and
+    writes [S, H]; otherwise every valid entry's row is read from the rank that holds it, and
+    [S, H] written. plan: topk_idx in and the Plan out only (its histogram exchange is not
     counted). prefetch (when `rows` has `replicas`): each used slot's expert of both projections
     read from its home and written once, and the rank's row of the slot table read."""
     N, nvs, S, K = cfg.num_entries, cfg.nvs, cfg.tokens_per_rank, cfg.top_k
@@ -310,7 +314,9 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
         "combine": {"read": per_rank((stage1_rows + np.diag(entries_to)
                                       + np.array(rows["dedup_remote_rows"])) * row_bytes
                                      + R * N * 4),
-                    "written": per_rank((staged + S) * row_bytes)},
+                    "written": per_rank((staged + S) * row_bytes)} if on_owner else
+                   {"read": per_rank(entries * row_bytes + N * 4),
+                    "written": per_rank(S * row_bytes)},
     }
     if "replicas" in rows:
         copied = np.array(rows["replicas"]) * expert_bytes(cfg)
@@ -319,20 +325,22 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
     return moved
 
 
-def link_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int) -> dict:
+def link_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, on_owner: bool) -> dict:
     """Per op and rank, the bytes its kernels read from other ranks' memory (over NVLink between
     GPUs; the same HBM when the ranks share one), and for combine also the bytes it stores
     there, from `traffic` of all R ranks. dispatch: each row pulled from another sender, with
-    that token's K dst entries and weights; combine: every other rank's dst, one partial pushed
-    per (token of another home, this rank) of two or more entries, and, as the home, each lone
-    row (one entry on its rank) read from its owner: one row per (token, other rank) crosses;
-    prefetch: every used slot's expert of both projections (a slot always replicates another
+    that token's K dst entries and weights; combine, `on_owner`: every other rank's dst, one
+    partial pushed per (token of another home, this rank) of two or more entries, and, as the
+    home, each lone row (one entry on its rank) read from its owner: one row per (token, other
+    rank) crosses; otherwise the row of every valid entry of this rank's tokens that another rank
+    holds; prefetch: every used slot's expert of both projections (a slot always replicates another
     rank's expert). The plan's histogram exchange is not counted."""
     K, N = cfg.top_k, cfg.num_entries
     primaries_to = np.array(rows["primaries_to"])                    # [sender, receiver]
     pulled_remote = primaries_to.sum(axis=0) - np.diag(primaries_to)  # per receiver
     lone, shared = combine_groups(rows)
-    combined = (lone.sum(axis=1) + shared.sum(axis=0)) * row_bytes + (len(lone) - 1) * N * 4
+    combined = ((lone.sum(axis=1) + shared.sum(axis=0)) * row_bytes + (len(lone) - 1) * N * 4
+                if on_owner else np.array(rows["remote_rows"]) * row_bytes)
     moved = {"dispatch": (pulled_remote * (row_bytes + K * 8)).astype(int).tolist(),
              "combine": combined.astype(int).tolist()}
     if "replicas" in rows:
@@ -398,6 +406,12 @@ def rank_payloads(key, cfg: moonep_jax.EPConfig) -> tuple[jax.Array, ...]:
             jax.random.normal(ky, (cfg.nvs, H), jnp.bfloat16))
 
 
+def combine_on_owner(cfg: moonep_jax.EPConfig, mesh) -> bool:
+    """Where the CUDA combine runs its first stage on `mesh` (bootstrapped), as it decides when
+    traced: on the owners (True) or at home (False)."""
+    return transport.combine_on_owner(cfg, np.array([d.id for d in mesh.devices.flat]))
+
+
 def plan_bytes_per_rank(p, R: int) -> int:
     """Bytes of one rank's Plan (every leaf is the R ranks' plans concatenated)."""
     return sum(leaf.nbytes for leaf in jax.tree.leaves(p)) // R
@@ -416,9 +430,11 @@ def run_point(mesh, cfgs: dict, maxvio: float, args, methods: list[str], on_poin
     if timing_prefetch:
         rows["replicas"] = replicas(np.asarray(p.experts_to_copy).reshape(R, R, -1), range(R))
     row_bytes = H * 2
-    moved = hbm_bytes(rows, cfg, row_bytes, plan_bytes_per_rank(p, R))
+    on_owner = combine_on_owner(cfgs.get("cuda", cfg), mesh)
+    moved = hbm_bytes(rows, cfg, row_bytes, plan_bytes_per_rank(p, R), on_owner)
     point = {"maxvio_target": maxvio, "maxvio_measured": realised, "sigma": sigma, **rows,
-             "hbm_bytes": moved, "link_bytes": link_bytes(rows, cfg, row_bytes), "results": []}
+             "combine_on_owner": on_owner, "hbm_bytes": moved,
+             "link_bytes": link_bytes(rows, cfg, row_bytes, on_owner), "results": []}
     it, reps = args.iters, args.reps
 
     def add(op: str, result: dict):
@@ -559,10 +575,11 @@ def run_ranks(args) -> None:
             continue
         everyone.sort(key=lambda v: v["rank"])
         rows = {k: [v for one in everyone for v in one["traffic"][k]] for k in mine["traffic"]}
-        moved = hbm_bytes(rows, cfg, row_bytes, plan_bytes_per_rank(p, R))
+        on_owner = combine_on_owner(cfg, mesh)
+        moved = hbm_bytes(rows, cfg, row_bytes, plan_bytes_per_rank(p, R), on_owner)
         point = {"maxvio_target": maxvio, "maxvio_measured": realised, "sigma": sigma, **rows,
-                 "hbm_bytes": moved, "link_bytes": link_bytes(rows, cfg, row_bytes),
-                 "results": []}
+                 "combine_on_owner": on_owner, "hbm_bytes": moved,
+                 "link_bytes": link_bytes(rows, cfg, row_bytes, on_owner), "results": []}
         for op in OPS:
             per_rank_times = [{"rank": one["rank"], "times_ms": one["times_ms"][op],
                                "median_ms": float(np.median(one["times_ms"][op]))}
