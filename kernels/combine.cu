@@ -39,6 +39,29 @@ union Pack {
   T elems[kElems];
 };
 
+// Vectors base + 32 u (u < kU) of a row of row_vecs vectors, those past its end left as they are.
+template <typename T, typename Vec, int kU>
+__device__ __forceinline__ void load_vectors(const Vec* in, int64_t base, int64_t row_vecs,
+                                             Pack<T, Vec> (&v)[kU]) {
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+    if (base + u * 32 < row_vecs) v[u].vec = __ldcg(in + base + u * 32);
+}
+
+// out's vectors base + 32 u (u < kU) within the row: the fp32 sums rounded to T.
+template <typename T, typename Vec, int kU>
+__device__ __forceinline__ void store_rounded(Vec* out, int64_t base, int64_t row_vecs,
+                                              const float (&sum)[kU][Pack<T, Vec>::kElems]) {
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    if (base + u * 32 >= row_vecs) continue;
+    Pack<T, Vec> o;
+#pragma unroll
+    for (int e = 0; e < Pack<T, Vec>::kElems; ++e) o.elems[e] = from_float<T>(sum[u][e]);
+    out[base + u * 32] = o.vec;
+  }
+}
+
 __device__ __forceinline__ int lanes_below(unsigned mask, int lane) {
   return __popc(mask & ((1u << lane) - 1u));
 }
@@ -97,9 +120,7 @@ __device__ __forceinline__ void sum_group(const char* row, int count, int64_t ro
 #pragma unroll
       for (int j = 0; j < kPartialBatch; ++j) {
         const Vec* in = reinterpret_cast<const Vec*>(shfl_address(row, (i0 + j) % 32));
-#pragma unroll
-        for (int u = 0; u < kPartialUnroll; ++u)
-          if (i0 + j < count && base + u * 32 < row_vecs) v[j][u].vec = __ldcg(in + base + u * 32);
+        if (i0 + j < count) load_vectors<T>(in, base, row_vecs, v[j]);
       }
 #pragma unroll
       for (int j = 0; j < kPartialBatch; ++j) {
@@ -110,14 +131,7 @@ __device__ __forceinline__ void sum_group(const char* row, int count, int64_t ro
           for (int e = 0; e < P::kElems; ++e) partial[u][e] += to_float(v[j][u].elems[e]);
       }
     }
-#pragma unroll
-    for (int u = 0; u < kPartialUnroll; ++u) {
-      if (base + u * 32 >= row_vecs) continue;
-      P o;
-#pragma unroll
-      for (int e = 0; e < P::kElems; ++e) o.elems[e] = from_float<T>(partial[u][e]);
-      out[base + u * 32] = o.vec;
-    }
+    store_rounded<T>(out, base, row_vecs, partial);
   }
 }
 
@@ -212,9 +226,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_sum_kernel(CombineParams 
           const Vec* in =
               reinterpret_cast<const Vec*>(static_cast<const char*>(p.staging) + slot * row_bytes);
           P v[kUnroll];
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-            if (base + u * 32 < row_vecs) v[u].vec = __ldcg(in + base + u * 32);
+          load_vectors<T>(in, base, row_vecs, v);
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
@@ -228,9 +240,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_sum_kernel(CombineParams 
           const int row = __shfl_sync(kFullMask, e.d.row, k);
           const Vec* in = reinterpret_cast<const Vec*>(y_of[dest] + row * row_bytes);
           P v[kUnroll];
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-            if (base + u * 32 < row_vecs) v[u].vec = __ldcg(in + base + u * 32);
+          load_vectors<T>(in, base, row_vecs, v);
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
@@ -241,14 +251,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_sum_kernel(CombineParams 
 #pragma unroll
           for (int x = 0; x < P::kElems; ++x) acc[u][x] += to_float(from_float<T>(partial[u][x]));
       }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * 32 >= row_vecs) continue;
-        P o;
-#pragma unroll
-        for (int x = 0; x < P::kElems; ++x) o.elems[x] = from_float<T>(acc[u][x]);
-        out[base + u * 32] = o.vec;
-      }
+      store_rounded<T>(out, base, row_vecs, acc);
     }
   }
 }
