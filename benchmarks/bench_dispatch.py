@@ -275,7 +275,7 @@ def combine_groups(rows: dict) -> tuple[np.ndarray, np.ndarray]:
 
 
 def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: int,
-              on_owner: bool) -> dict:
+              on_owner: bool | None) -> dict:
     """Per op and rank, the bytes its kernels read and write, from `traffic` of all R ranks:
     row data, route weights and the plan arrays the data kernels read (not the barriers'
     flags). A rank's loads from a peer's buffers count as that rank's reads.
@@ -287,12 +287,13 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
     its owner's dst entry, per duplicate row its primary's recv_src, recv_primary and dst entry
     and, when its primary is pulled, its own recv_src and recv_primary again. The link carries
     one row per (token, remote rank): `dedup_remote_rows`. combine, `on_owner`
-    (`CudaOptions.combine_on_owner` as the op resolved it): each rank reads the dst of every
+    (`CudaOptions.combine_on_owner` as the CUDA op resolved it; None where it did not run): each
+    rank reads the dst of every
     rank, and for each (token of another home, this rank) of two or more entries it reads their
     rows and stores one partial into that home's staging; the home reads its own tokens' rows,
     one staged partial or lone row (from its owner) per (token, other destination rank), and
-    writes [S, H]; otherwise every valid entry's row is read from the rank that holds it, and
-    [S, H] written. plan: topk_idx in and the Plan out only (its histogram exchange is not
+    writes [S, H]; otherwise (as the xla reference gathers, too) every valid entry's row is read
+    from the rank that holds it, and [S, H] written. plan: topk_idx in and the Plan out only (its histogram exchange is not
     counted). prefetch (when `rows` has `replicas`): each used slot's expert of both projections
     read from its home and written once, and the rank's row of the slot table read."""
     N, nvs, S, K = cfg.num_entries, cfg.nvs, cfg.tokens_per_rank, cfg.top_k
@@ -325,7 +326,8 @@ def hbm_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, plan_bytes: 
     return moved
 
 
-def link_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int, on_owner: bool) -> dict:
+def link_bytes(rows: dict, cfg: moonep_jax.EPConfig, row_bytes: int,
+               on_owner: bool | None) -> dict:
     """Per op and rank, the bytes its kernels read from other ranks' memory (over NVLink between
     GPUs; the same HBM when the ranks share one), and for combine also the bytes it stores
     there, from `traffic` of all R ranks. dispatch: each row pulled from another sender, with
@@ -406,10 +408,12 @@ def rank_payloads(key, cfg: moonep_jax.EPConfig) -> tuple[jax.Array, ...]:
             jax.random.normal(ky, (cfg.nvs, H), jnp.bfloat16))
 
 
-def combine_on_owner(cfg: moonep_jax.EPConfig, mesh) -> bool:
+def combine_on_owner(cfg: moonep_jax.EPConfig, mesh) -> bool | None:
     """Where the CUDA combine runs its first stage on `mesh` (bootstrapped), as it decides when
-    traced: on the owners (True) or at home (False)."""
-    return transport.combine_on_owner(cfg, np.array([d.id for d in mesh.devices.flat]))
+    traced: on the owners (True) or at home (False); None for the xla implementation."""
+    if cfg.implementation != "cuda":
+        return None
+    return transport.combine_on_owner(cfg, transport.device_table(mesh, cfg.axis_name))
 
 
 def plan_bytes_per_rank(p, R: int) -> int:
@@ -430,7 +434,7 @@ def run_point(mesh, cfgs: dict, maxvio: float, args, methods: list[str], on_poin
     if timing_prefetch:
         rows["replicas"] = replicas(np.asarray(p.experts_to_copy).reshape(R, R, -1), range(R))
     row_bytes = H * 2
-    on_owner = combine_on_owner(cfgs.get("cuda", cfg), mesh)
+    on_owner = combine_on_owner(cfgs["cuda"], mesh) if "moonep_cuda" in methods else None
     moved = hbm_bytes(rows, cfg, row_bytes, plan_bytes_per_rank(p, R), on_owner)
     point = {"maxvio_target": maxvio, "maxvio_measured": realised, "sigma": sigma, **rows,
              "combine_on_owner": on_owner, "hbm_bytes": moved,

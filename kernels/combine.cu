@@ -89,6 +89,14 @@ __device__ __forceinline__ TokenEntries token_entries(const GroupView& g, int32_
   return e;
 }
 
+// Byte offset in a home's staging of token t's partial from the rank of the group led by lane
+// `leader`: slot j is the token's j-th remote group in leader order (owner and home alike).
+__device__ __forceinline__ int64_t staging_offset(const CombineParams& p, int t,
+                                                  const TokenEntries& e, int leader,
+                                                  int64_t row_bytes) {
+  return (static_cast<int64_t>(t) * p.staging_slots + lanes_below(e.remote, leader)) * row_bytes;
+}
+
 // Lane k's Plan.dst of token t's entry k (kDropped for lanes >= K).
 __device__ __forceinline__ int32_t load_dst(const int32_t* dst, int64_t t, int top_k) {
   const int lane = threadIdx.x % 32;
@@ -170,14 +178,13 @@ __global__ void __launch_bounds__(kThreads) combine_partial_kernel(CombineParams
     dst = dst_of_pair(q + num_warps);
     const unsigned members = __ballot_sync(kFullMask, e.d.dest == me);
     if (__popc(members) < 2) continue;  // warp-uniform
-    const int slot = lanes_below(e.remote, __ffs(members) - 1);
     // Lane i takes the i-th member's row (members in k order).
     int from = lane;
     for (unsigned m = members, i = 0; m; m &= m - 1, ++i)
       if (lane == static_cast<int>(i)) from = __ffs(m) - 1;
     const char* row = shfl_address(static_cast<const char*>(p.y) + e.d.row * row_bytes, from);
-    Vec* out = reinterpret_cast<Vec*>(
-        staging_of[home] + (static_cast<int64_t>(t) * p.staging_slots + slot) * row_bytes);
+    Vec* out = reinterpret_cast<Vec*>(staging_of[home] +
+                                      staging_offset(p, t, e, __ffs(members) - 1, row_bytes));
     sum_group<T, Vec>(row, __popc(members), row_vecs, out);
   }
   // NOTE: the middle barrier (a later kernel) publishes these remote stores only if every writing
@@ -221,10 +228,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_sum_kernel(CombineParams 
         const int group_leader = __ffs(g) - 1;
         const unsigned members = __ballot_sync(kFullMask, e.leader == group_leader);
         if (((staged >> group_leader) & 1u) && __popc(members) > 1) {  // warp-uniform
-          const int64_t slot =
-              static_cast<int64_t>(t) * p.staging_slots + lanes_below(e.remote, group_leader);
-          const Vec* in =
-              reinterpret_cast<const Vec*>(static_cast<const char*>(p.staging) + slot * row_bytes);
+          const char* partial_row = static_cast<const char*>(p.staging) +
+                                    staging_offset(p, t, e, group_leader, row_bytes);
+          const Vec* in = reinterpret_cast<const Vec*>(partial_row);
           P v[kUnroll];
           load_vectors<T>(in, base, row_vecs, v);
 #pragma unroll
@@ -258,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_sum_kernel(CombineParams 
 
 template <typename T, typename Vec>
 cudaError_t launch_data_kernels(const CombineParams& p, cudaStream_t stream) {
-  if (p.staging_slots > 0) {  // the owners sum first (never alone: R = 1 has no slot)
+  if (p.staging_slots > 0) {  // the owners sum first (min(R - 1, K) slots: never alone)
     combine_partial_kernel<T, Vec><<<p.num_sms, kThreads, 0, stream>>>(p);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
     if (const cudaError_t err = launch_middle_rendezvous(p.group, kOpCombine, stream);

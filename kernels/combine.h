@@ -23,8 +23,9 @@ struct CombineParams {
                               // buffer): slot j of token t receives the stage-1 partial of t's
                               // j-th remote destination rank (in the order of their lowest k)
                               // when two or more of t's entries went there
-  int32_t staging_slots;      // >= min(R - 1, K) (a token has at most that many remote ranks):
-                              // the owners sum; 0: the home reads every row in place
+  int32_t staging_slots;      // min(R - 1, K) (a token has at most that many remote ranks), the
+                              // same on every rank: the owners sum; 0: the home reads every row
+                              // in place
   RowType row_type;           // dtype of y and out
   int32_t hidden;             // H
   int32_t num_tokens;         // S

@@ -266,11 +266,15 @@ def gpu_suite(seed: int, maxvios: tuple, cases: tuple, calls: int, impl: str = "
               backend: str = "gpu") -> dict:
     """`gpu_vs_cpu`, then `back_to_back` (with the owners summing combine's first stage, the
     path of EP groups over several GPUs), in the same processes (one start-up for both); and
-    whether bootstrap found the group on one GPU."""
+    where the CUDA combine runs its first stage by default (None for the xla harness)."""
     ops = gpu_vs_cpu(seed, maxvios, cases, impl, backend)
     loop_sizes = dataclasses.replace(cases[0][1], combine_on_owner=True)
-    return {"ops": ops, "loop": back_to_back(seed + 1, calls, loop_sizes, impl=impl, backend=backend),
-            "on_one_gpu": sorted(set(transport._on_one_gpu.values()))}
+    loop = back_to_back(seed + 1, calls, loop_sizes, impl=impl, backend=backend)
+    mesh = mesh_of(backend)
+    default = (transport.combine_on_owner(config(mesh.devices.size, cases[0][1], impl),
+                                          transport.device_table(mesh, "ep"))
+               if impl == "cuda" else None)
+    return {"ops": ops, "loop": loop, "combine_on_owner": default}
 
 
 # ---- GPU: the planner back to back, with many CTAs per kernel grid and changing shapes --------

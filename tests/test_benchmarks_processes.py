@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import bench_dispatch  # noqa: E402
 # Each run starts 3 Python processes and compiles the quick shape (~15 s on 2 cores).
 pytestmark = pytest.mark.slow
 
@@ -62,15 +64,21 @@ def test_bench_dispatch_two_processes_on_cpu(tmp_path):
         assert moved["written"] == [n * expert_bytes for n in point["replicas"]]
         assert all(r > w for r, w in zip(moved["read"], moved["written"]))
         # Over the link: every row a rank pulls from another (one per token and remote rank, what
-        # its senders count as deduplicated remote rows) with K dst entries and weights; for
-        # combine one row per (token, remote rank) as well, fewer than the remote entries (some
-        # tokens have two entries on the other rank), and the other rank's dst; every used slot's
-        # experts for prefetch.
-        row_bytes, K, S = 2 * record["shape"]["H"], record["shape"]["K"], record["shape"]["S"]
+        # its senders count as deduplicated remote rows) with K dst entries and weights; every
+        # remote entry's row once for combine as the xla reference runs it (no CUDA op here);
+        # every used slot's experts for prefetch.
+        R, row_bytes = 2, 2 * record["shape"]["H"]
+        K, S = record["shape"]["K"], record["shape"]["S"]
         link = point["link_bytes"]
+        assert point["combine_on_owner"] is None
         assert sum(link["dispatch"]) == sum(point["dedup_remote_rows"]) * (row_bytes + 8 * K) > 0
-        assert sum(link["combine"]) == (sum(point["dedup_remote_rows"]) * row_bytes
-                                        + 2 * S * K * 4)
+        assert link["combine"] == [n * row_bytes for n in point["remote_rows"]]
+        # Had the owners summed combine's first stage: one row per (token, remote rank), fewer
+        # than the remote entries (some tokens have two on the other rank), and the peers' dst.
+        cfg = bench_dispatch.config(bench_dispatch.Shape(**record["shape"]), R, "xla")
+        owners = bench_dispatch.link_bytes(point, cfg, row_bytes, True)["combine"]
+        assert sum(owners) == (sum(point["dedup_remote_rows"]) * row_bytes
+                               + R * (R - 1) * S * K * 4)
         assert sum(point["dedup_remote_rows"]) < sum(point["remote_rows"])
         assert link["prefetch"] == moved["written"]
         # Every rank's entries are received somewhere; primaries are at most the entries.

@@ -18,17 +18,17 @@ from moonep_jax._cuda import comm, transport
 R, S, K, H = 4, 6, 2, 16
 
 
-def _registered_mesh(monkeypatch, on_one_gpu: bool | None):
-    """A 4-device mesh registered as if bootstrapped, bootstrap having found its ranks on one GPU
-    or not (None: a group of other processes, which bootstrap did not see)."""
-    mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
-    ids = [d.id for d in mesh.devices.flat]
-    table = np.array([ids], np.int32)  # CPUs: no device_table
+def _registered_mesh(monkeypatch, on_one_gpu: list[bool | None]):
+    """A mesh of len(on_one_gpu) EP groups of 4 CPU devices, registered as if bootstrapped, each
+    group found on one GPU or not by bootstrap (None: a group of other processes, unseen)."""
+    devices = np.array(jax.devices()[:R * len(on_one_gpu)]).reshape(len(on_one_gpu), R)
+    mesh = Mesh(devices, ("data", "ep"))
+    table = np.array([[d.id for d in row] for row in devices], np.int32)  # CPUs: no device_table
     monkeypatch.setitem(transport._registered, (transport._shape_of(mesh), "ep"),
                         {table.tobytes(): table})
-    monkeypatch.setattr(transport, "_sm_counts", {i: 132 for i in ids})
-    monkeypatch.setattr(transport, "_on_one_gpu",
-                        {} if on_one_gpu is None else {i: on_one_gpu for i in ids})
+    monkeypatch.setattr(transport, "_sm_counts", {int(i): 132 for i in table.flat})
+    monkeypatch.setattr(transport, "_on_one_gpu", {
+        tuple(int(i) for i in row): one for row, one in zip(table, on_one_gpu) if one is not None})
     return mesh
 
 
@@ -37,14 +37,16 @@ def _staging_slots(mesh, combine_on_owner: bool | None) -> int:
     cfg = moonep_jax.EPConfig(num_experts=8, top_k=K, tokens_per_rank=S, hidden=H, ffn_hidden=8,
                               num_ranks=R, implementation="cuda",
                               cuda=moonep_jax.CudaOptions(combine_on_owner=combine_on_owner))
-    topk_idx = jnp.zeros((R * S, K), jnp.int32)
-    y = jnp.zeros((R * cfg.nvs, H), jnp.bfloat16)
+    groups = mesh.devices.shape[0]
+    topk_idx = jnp.zeros((groups * R * S, K), jnp.int32)
+    y = jnp.zeros((groups * R * cfg.nvs, H), jnp.bfloat16)
 
     def body(topk_idx, y):
         plan = moonep_jax.plan(topk_idx, dataclasses.replace(cfg, implementation="xla"))
         return comm.combine(y, plan, cfg)
 
-    text = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))).lower(
+    spec = P(("data", "ep"))
+    text = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)).lower(
         topk_idx, y).as_text()
     call = next(line for line in text.splitlines() if "moonep_combine" in line)
     results = re.findall(r"tensor<([0-9x]+)xbf16>", call.split("->")[-1])
@@ -56,17 +58,26 @@ def _staging_slots(mesh, combine_on_owner: bool | None) -> int:
 
 @pytest.mark.parametrize("combine_on_owner", [None, True, False])
 def test_ranks_on_one_gpu_read_in_place_by_default(monkeypatch, combine_on_owner):
-    mesh = _registered_mesh(monkeypatch, on_one_gpu=True)
+    mesh = _registered_mesh(monkeypatch, [True])
     expected = min(R - 1, K) if combine_on_owner else 0
     assert _staging_slots(mesh, combine_on_owner) == expected
 
 
-@pytest.mark.parametrize("on_one_gpu", [False, None])
+@pytest.mark.parametrize("on_one_gpu", [[False], [None], [True, None]])
 def test_ranks_on_several_gpus_sum_on_the_owner_by_default(monkeypatch, on_one_gpu):
-    """Separate GPUs, or nothing known of the group: the owners sum (fewest bytes over links)."""
+    """Separate GPUs, or nothing known of the groups: the owners sum (fewest bytes over links);
+    a group this process did not bootstrap does not count."""
     mesh = _registered_mesh(monkeypatch, on_one_gpu)
-    assert _staging_slots(mesh, None) == min(R - 1, K)
+    expected = 0 if on_one_gpu[0] else min(R - 1, K)
+    assert _staging_slots(mesh, None) == expected
     assert _staging_slots(mesh, False) == 0
+
+
+def test_groups_that_disagree_ask_for_an_explicit_choice(monkeypatch):
+    mesh = _registered_mesh(monkeypatch, [True, False])
+    with pytest.raises(ValueError, match=r"set `CudaOptions\(combine_on_owner=True\)`"):
+        _staging_slots(mesh, None)
+    assert _staging_slots(mesh, True) == min(R - 1, K)
 
 
 @pytest.mark.parametrize("bad", [1, 0, "yes"])

@@ -54,7 +54,7 @@ _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 _registered: dict[tuple, dict[bytes, np.ndarray]] = {}
 _groups: set[tuple[int, ...]] = set()  # device ids of the groups registered in the extension
 _sm_counts: dict[int, int | None] = {}  # device id -> SMs (JAX's core_count), local devices
-_on_one_gpu: dict[int, bool] = {}  # device id -> whether all of its EP group share one GPU
+_on_one_gpu: dict[tuple[int, ...], bool] = {}  # group's device ids -> whether they share a GPU
 _pools: dict[tuple[int, int], int] = {}  # (peer pid, peer pool base) -> mapped base here
 _lock = threading.Lock()
 
@@ -109,7 +109,8 @@ def bootstrap(mesh: jax.sharding.Mesh, axis_name: str = "ep", *,
             one_gpu = len(group) == 1  # one process's JAX devices are distinct GPUs
         else:
             one_gpu = _bootstrap_across_processes(lib, group, timeout_s)
-        _on_one_gpu.update((d.id, one_gpu) for d in group)
+        with _lock:
+            _on_one_gpu[ids] = one_gpu
         _groups.add(ids)
     with _lock:
         _registered.setdefault(key, {})[table.tobytes()] = table
@@ -173,15 +174,26 @@ def comm_ctas(cfg, mesh_devices: np.ndarray) -> int:
 
 
 def combine_on_owner(cfg, mesh_devices: np.ndarray) -> bool:
-    """Whether combine sums a token's rows on the rank that holds them (`CudaOptions.
-    combine_on_owner`; by default unless this process's EP groups among `mesh_devices` each
-    share one GPU). Every process of a group decides alike: bootstrap told each one every
-    member's GPU (no side effect)."""
+    """Whether combine sums a token's rows on the rank that holds them, for an op traced with the
+    `mesh_devices` attribute (no side effect): `CudaOptions.combine_on_owner`, or else unless
+    the EP groups of the table that this process bootstrapped share one GPU each. Every process
+    of a group decides alike: bootstrap told each one every member's GPU.
+
+    Raises:
+      ValueError: some of those groups share one GPU and others do not (the processes of a
+        group could then decide differently); set `CudaOptions.combine_on_owner`.
+    """
     if cfg.cuda.combine_on_owner is not None:
         return cfg.cuda.combine_on_owner
+    groups = {tuple(int(i) for i in row) for row in np.reshape(mesh_devices, (-1, cfg.num_ranks))}
     with _lock:
-        known = [_on_one_gpu[i] for i in map(int, mesh_devices) if i in _on_one_gpu]
-    return not (known and all(known))
+        known = {group: _on_one_gpu[group] for group in groups if group in _on_one_gpu}
+    if len(set(known.values())) > 1:
+        raise ValueError(
+            f"The EP groups {sorted(known)} of this mesh differ in whether their ranks share one "
+            "GPU, so combine cannot pick where its first stage runs for all of them alike: set "
+            "`CudaOptions(combine_on_owner=True)` (ranks on separate GPUs) or `False`.")
+    return not (known and all(known.values()))
 
 
 def device_table(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
