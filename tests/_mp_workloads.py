@@ -277,6 +277,46 @@ def gpu_suite(seed: int, maxvios: tuple, cases: tuple, calls: int, impl: str = "
     return {"ops": ops, "loop": loop, "combine_on_owner": default}
 
 
+# ---- GPU: combine's row loops at every vector width, both places of its first stage ----------
+
+@functools.cache
+def _combine_fn(impl: str, backend: str, sizes: Sizes):
+    mesh = mesh_of(backend)
+    cfg = config(mesh.devices.size, sizes, impl, cuda=cuda_options(sizes, 10.0))
+    if impl == "cuda":
+        moonep_jax.bootstrap(mesh, "ep")
+
+    def ops(topk_idx, y):
+        return _stack(dict(combine=moonep_jax.combine(y, moonep_jax.plan(topk_idx, cfg), cfg)))
+
+    return mesh, cfg, jax.jit(jax.shard_map(ops, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+
+
+def combine_shapes(seed: int, cases: tuple, impl: str = "cuda", backend: str = "gpu") -> dict:
+    """For every (sizes, dtype) case: `{name: (cuda, xla)}`, combine of random expert outputs
+    on the job's GPUs and with the xla reference on its CPU devices, same routing and rows."""
+    out = {}
+    for i, (sizes, dtype) in enumerate(cases):
+        g = global_inputs(seed + i, mesh_of("cpu").devices.size, sizes, 10.0, jnp.dtype(dtype))
+        results = []
+        for fn_impl, fn_backend in ((impl, backend), ("xla", "cpu")):
+            mesh, cfg, fn = _combine_fn(fn_impl, fn_backend, sizes)
+            y = np.random.default_rng(seed + i).standard_normal(
+                (cfg.num_ranks * cfg.nvs, sizes.H)).astype(dtype)
+            results.append(local_shards(fn(put(mesh, g["topk_idx"]), put(mesh, y))))
+        out[f"{sizes}/{dtype}"] = tuple(results)
+    moonep_jax.check_transport_errors()
+    return out
+
+
+def check_combine_shapes(values: list[dict], where: str) -> None:
+    """Asserts what `combine_shapes` returned in every process: bitwise equal results."""
+    for key in values[0]:
+        cuda = assemble([v[key][0] for v in values])["combine"]
+        xla = assemble([v[key][1] for v in values])["combine"]
+        np.testing.assert_array_equal(cuda, xla, err_msg=f"{where} {key}")
+
+
 # ---- GPU: the planner back to back, with many CTAs per kernel grid and changing shapes --------
 
 @functools.cache

@@ -110,6 +110,18 @@ def test_gpu_suite_harness_on_cpu(seed):
     check_suite([r.value for r in results], "cpu harness", 12)
 
 
+def test_combine_shapes_harness_on_cpu(seed):
+    """tests/test_multiprocess_gpu.py's combine workload and check, xla standing in for CUDA."""
+    from _mp_workloads import check_combine_shapes
+
+    cases = ((Sizes(S=8, K=3, E=8, H=13, combine_on_owner=True), "float32"),
+             (Sizes(S=8, K=2, E=8, H=7), "bfloat16"))
+    results = launch.run(f"{WORKLOADS}:combine_shapes", 2, (seed, cases, "xla", "cpu"),
+                         timeout_s=240)
+    check_combine_shapes([r.value for r in results], "cpu harness")
+    assert len(results[0].value) == 2
+
+
 def test_plan_loop_harness_on_cpu(seed):
     """tests/test_multiprocess_gpu.py's planner loop and check, with the xla planner on the CPU
     standing in for the CUDA one."""

@@ -19,6 +19,7 @@ Run from a test process that stays off the GPU: `JAX_PLATFORMS=cpu` (tools/gpu.s
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import signal
 import time
@@ -28,7 +29,7 @@ import pytest
 
 from moonep_jax import launch
 
-from _mp_workloads import Sizes, check_plan_loop, check_suite
+from _mp_workloads import Sizes, check_combine_shapes, check_plan_loop, check_suite
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess_gpu]
 
@@ -70,6 +71,23 @@ def test_cuda_ops_in_processes_sharing_one_gpu_match_xla(mps_env, seed, R):
     check_suite([r.value for r in results], f"R={R}", CALLS)
     # Every process found its group's ranks on one GPU: combine reads in place by default.
     assert [r.value["combine_on_owner"] for r in results] == [False] * R
+
+
+# Combine's row loops past one step (bf16 rows of 129 16-byte vectors), 4-byte vectors (f32,
+# H = 13) with K = 12 and element-wise rows (bf16, H = 7), each with the owners summing the first
+# stage (as over several GPUs) and read in place.
+COMBINE_SHAPES = tuple((dataclasses.replace(sizes, combine_on_owner=on_owner), dtype)
+                       for sizes, dtype in ((Sizes(S=48, K=8, E=64, H=1032), "bfloat16"),
+                                            (Sizes(S=32, K=12, E=48, H=13), "float32"),
+                                            (Sizes(S=32, K=8, E=32, H=7), "bfloat16"))
+                       for on_owner in (True, False))
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_combine_row_shapes_in_processes_match_xla(mps_env, seed, R):
+    results = launch.run(f"{WORKLOADS}:combine_shapes", R, (seed, COMBINE_SHAPES),
+                         platform="gpu", env=_env(mps_env, R), timeout_s=300)
+    check_combine_shapes([r.value for r in results], f"R={R}")
 
 
 @pytest.mark.parametrize("R", [2, 8])
