@@ -73,28 +73,29 @@ struct TokenEntries {
   Destination d;
   int leader;        // -1 for lanes without a valid entry
   unsigned leaders;  // lanes that lead a group
-  unsigned remote;   // leaders of groups on a rank other than `home`: slot j of the token's
-                     // staging is the j-th of them (used by groups of two or more rows)
+  unsigned staged;   // leaders of groups of two or more rows on a rank other than `home`,
+                     // whose owners sum them: slot j of the token's staging holds the j-th
 };
 
+// `home`'s entry `dst` of this lane; only the home records bad plan data (`home` is this rank).
 __device__ __forceinline__ TokenEntries token_entries(const GroupView& g, int32_t dst, int nvs,
                                                       int home) {
   const int lane = threadIdx.x % 32;
-  TokenEntries e{decode_destination(g, kOpCombine, dst, nvs), -1, 0, 0};
+  TokenEntries e{decode_destination(g, kOpCombine, dst, nvs, home == g.rank), -1, 0, 0};
   // Lanes without an entry get a key no other lane has, so they lead only themselves.
   const unsigned group = __match_any_sync(kFullMask, e.d.dest >= 0 ? e.d.dest : -1 - lane);
   e.leader = e.d.dest >= 0 ? __ffs(group) - 1 : -1;
   e.leaders = __ballot_sync(kFullMask, e.leader == lane);
-  e.remote = __ballot_sync(kFullMask, e.leader == lane && e.d.dest != home);
+  e.staged = __ballot_sync(kFullMask, e.leader == lane && e.d.dest != home && __popc(group) > 1);
   return e;
 }
 
 // Byte offset in a home's staging of token t's partial from the rank of the group led by lane
-// `leader`: slot j is the token's j-th remote group in leader order (owner and home alike).
+// `leader`: slot j is the token's j-th staged group in leader order (owner and home alike).
 __device__ __forceinline__ int64_t staging_offset(const CombineParams& p, int t,
                                                   const TokenEntries& e, int leader,
                                                   int64_t row_bytes) {
-  return (static_cast<int64_t>(t) * p.staging_slots + lanes_below(e.remote, leader)) * row_bytes;
+  return (static_cast<int64_t>(t) * p.staging_slots + lanes_below(e.staged, leader)) * row_bytes;
 }
 
 // Lane k's Plan.dst of token t's entry k (kDropped for lanes >= K).
@@ -217,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_sum_kernel(CombineParams 
   for (int t = blockIdx.x * kWarpsPerCta + threadIdx.x / 32; t < p.num_tokens; t += num_warps) {
     const TokenEntries e = token_entries(p.group, load_dst(p.dst, t, p.top_k), p.nvs, me);
     // Remote groups of two or more rows were summed by their owners, when the owners sum.
-    const unsigned staged = p.staging_slots > 0 ? e.remote : 0u;
+    const unsigned staged = p.staging_slots > 0 ? e.staged : 0u;
     Vec* out = reinterpret_cast<Vec*>(static_cast<char*>(p.out) + t * row_bytes);
     // Every lane runs every step, whatever the row size (the ballots and shuffles below need the
     // whole warp); loads and stores past the row are masked.
@@ -227,7 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_sum_kernel(CombineParams 
       for (unsigned g = e.leaders; g; g &= g - 1) {
         const int group_leader = __ffs(g) - 1;
         const unsigned members = __ballot_sync(kFullMask, e.leader == group_leader);
-        if (((staged >> group_leader) & 1u) && __popc(members) > 1) {  // warp-uniform
+        if ((staged >> group_leader) & 1u) {  // warp-uniform
           const char* partial_row = static_cast<const char*>(p.staging) +
                                     staging_offset(p, t, e, group_leader, row_bytes);
           const Vec* in = reinterpret_cast<const Vec*>(partial_row);
@@ -264,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_sum_kernel(CombineParams 
 
 template <typename T, typename Vec>
 cudaError_t launch_data_kernels(const CombineParams& p, cudaStream_t stream) {
-  if (p.staging_slots > 0) {  // the owners sum first (min(R - 1, K) slots: never alone)
+  if (p.staging_slots > 0) {  // the owners sum first (min(R - 1, K / 2) slots: never alone)
     combine_partial_kernel<T, Vec><<<p.num_sms, kThreads, 0, stream>>>(p);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
     if (const cudaError_t err = launch_middle_rendezvous(p.group, kOpCombine, stream);

@@ -20,12 +20,12 @@ struct CombineParams {
   const int32_t* dst;         // [num_tokens * top_k] Plan.dst (peers read it: XLA operand)
   void* out;                  // [num_tokens, hidden] result, y's dtype
   void* staging;              // [num_tokens, staging_slots, hidden] y's dtype (XLA result
-                              // buffer): slot j of token t receives the stage-1 partial of t's
-                              // j-th remote destination rank (in the order of their lowest k)
-                              // when two or more of t's entries went there
-  int32_t staging_slots;      // min(R - 1, K) (a token has at most that many remote ranks), the
-                              // same on every rank: the owners sum; 0: the home reads every row
-                              // in place
+                              // buffer): slot j of token t receives the stage-1 partial of the
+                              // j-th other rank (in the order of their lowest k) that holds two
+                              // or more of t's rows
+  int32_t staging_slots;      // min(R - 1, K / 2) (a token has at most that many remote ranks
+                              // holding two or more of its rows), the same on every rank: the
+                              // owners sum; 0: the home reads every row in place
   RowType row_type;           // dtype of y and out
   int32_t hidden;             // H
   int32_t num_tokens;         // S

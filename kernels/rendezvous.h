@@ -32,13 +32,16 @@ struct Destination {
   bool primary;
 };
 
+// `report`: whether a rank outside the group is recorded as bad plan data (false where another
+// rank's plan is read: its own rank records it).
 __device__ __forceinline__ Destination decode_destination(const GroupView& g, int op_slot,
-                                                          int32_t v, int32_t nvs) {
+                                                          int32_t v, int32_t nvs,
+                                                          bool report = true) {
   if (v == kDropped) return {-1, 0, false};
   const int32_t raw = v >= 0 ? v : -v - 1;  // v > kDropped, so -v - 1 cannot overflow
   const int32_t dest = raw / nvs;
   if (dest >= g.num_ranks) {
-    report_bad_plan_data(g, op_slot, v, "plan.dst names a rank outside the group");
+    if (report) report_bad_plan_data(g, op_slot, v, "plan.dst names a rank outside the group");
     return {-1, 0, false};
   }
   return {dest, raw - dest * nvs, v >= 0};

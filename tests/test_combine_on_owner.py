@@ -59,7 +59,7 @@ def _staging_slots(mesh, combine_on_owner: bool | None) -> int:
 @pytest.mark.parametrize("combine_on_owner", [None, True, False])
 def test_ranks_on_one_gpu_read_in_place_by_default(monkeypatch, combine_on_owner):
     mesh = _registered_mesh(monkeypatch, [True])
-    expected = min(R - 1, K) if combine_on_owner else 0
+    expected = min(R - 1, K // 2) if combine_on_owner else 0
     assert _staging_slots(mesh, combine_on_owner) == expected
 
 
@@ -68,7 +68,7 @@ def test_ranks_on_several_gpus_sum_on_the_owner_by_default(monkeypatch, on_one_g
     """Separate GPUs, or nothing known of the groups: the owners sum (fewest bytes over links);
     a group this process did not bootstrap does not count."""
     mesh = _registered_mesh(monkeypatch, on_one_gpu)
-    expected = 0 if on_one_gpu[0] else min(R - 1, K)
+    expected = 0 if on_one_gpu[0] else min(R - 1, K // 2)
     assert _staging_slots(mesh, None) == expected
     assert _staging_slots(mesh, False) == 0
 
@@ -77,7 +77,7 @@ def test_groups_that_disagree_ask_for_an_explicit_choice(monkeypatch):
     mesh = _registered_mesh(monkeypatch, [True, False])
     with pytest.raises(ValueError, match=r"set `CudaOptions\(combine_on_owner=True\)`"):
         _staging_slots(mesh, None)
-    assert _staging_slots(mesh, True) == min(R - 1, K)
+    assert _staging_slots(mesh, True) == min(R - 1, K // 2)
 
 
 @pytest.mark.parametrize("bad", [1, 0, "yes"])

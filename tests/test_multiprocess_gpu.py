@@ -39,7 +39,7 @@ TRAIN = Sizes(S=32, K=2, E=64, H=64, F=32)
 INFER = Sizes(S=32, K=2, E=64, H=64, F=32, B=2, tp=2)
 # K = 8 >= R: tokens spread over many ranks, several entries of a token on one rank (with the
 # owners summing combine's first stage, as over several GPUs: its staged partials fill up to
-# min(R - 1, K) slots; TRAIN and INFER take the default, the home reading in place on one GPU),
+# min(R - 1, K // 2) slots; TRAIN and INFER take the default, the home reading in place on one GPU),
 # and F = 32, less than one K tile of the grouped matmul: its moe_ffn once gave NaN where a K tile
 # read past a replica slot into the next, unused one (left unwritten by the layer); the GEMM's
 # weights are rank-3 TMA tensors since, which read zeros past each matrix.

@@ -46,16 +46,16 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, ffi::AnyB
       out->element_type() != y.element_type())
     return shape_error(kOp, "out", "[S, H] = [" + std::to_string(S) + ", " + std::to_string(H) +
                                        "] of y's dtype", out_dims);
-  // A token's entries go to at most min(R - 1, K) ranks other than its home: one slot each when
-  // the owners sum (stage 1); no slot when the home reads every row in place. Exactly so: an
-  // owner indexes its peers' staging with its own slot count.
-  const int64_t slots = std::min<int64_t>(num_ranks - 1, top_k);
+  // At most min(R - 1, K / 2) ranks other than a token's home hold two or more of its rows: one
+  // slot each when the owners sum (stage 1); no slot when the home reads every row in place.
+  // Exactly so: an owner indexes its peers' staging with its own slot count.
+  const int64_t slots = std::min<int64_t>(num_ranks - 1, top_k / 2);
   const auto staging_dims = staging->dimensions();
   if (staging_dims.size() != 3 || staging_dims[0] != S ||
       (staging_dims[1] != 0 && staging_dims[1] != slots) || staging_dims[2] != H ||
       staging->element_type() != y.element_type())
     return shape_error(kOp, "staging",
-                       "[S, 0 or min(R - 1, K), H] = [" + std::to_string(S) + ", 0 or " +
+                       "[S, 0 or min(R - 1, K / 2), H] = [" + std::to_string(S) + ", 0 or " +
                            std::to_string(slots) + ", " + std::to_string(H) + "] of y's dtype",
                        staging_dims);
 

@@ -74,15 +74,16 @@ def combine(y: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
     then over destinations in the order of their lowest k), bitwise equal to the xla reference.
     With `transport.combine_on_owner`, one row per (token, other destination rank) crosses the
     link: the rank holding two or more of a token's rows sums them (stage 1) and stores the
-    partial into the home's `staging` (one slot per other destination rank of the token: at most
-    min(R - 1, K)); the home reads a lone row in place, and sums its own rows' stage 1 itself.
+    partial into the home's `staging` (one slot per other rank that holds two or more of the
+    token's rows: at most min(R - 1, K // 2)); the home reads a lone row in place, and sums its
+    own rows' stage 1 itself. With K = 1 no rank holds two rows: no slot, read in place.
     Otherwise (`staging` of no slots) the home reads every row in place. `staging` is a second,
     discarded result of the call, so XLA allocates it for the call's duration only.
     """
     _require_summable("moonep_jax.combine", "y", y)
     S, H = cfg.tokens_per_rank, y.shape[1]
     attrs = _transport_attrs(cfg)
-    slots = (min(cfg.num_ranks - 1, cfg.top_k)
+    slots = (min(cfg.num_ranks - 1, cfg.top_k // 2)
              if transport.combine_on_owner(cfg, attrs["mesh_devices"]) else 0)
     out = jax.typeof(y).update(shape=(S, H))
     staging = jax.typeof(y).update(shape=(S, slots, H))
