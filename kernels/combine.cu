@@ -1,6 +1,7 @@
+#include "kernels/combine.h"
+
 #include <cuda_bf16.h>
 
-#include "kernels/combine.h"
 #include "kernels/rendezvous.h"
 
 namespace moonep {
@@ -23,9 +24,7 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162f
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);  // round to nearest even, as XLA's convert
@@ -46,6 +45,16 @@ __device__ __forceinline__ void load_vectors(const Vec* in, int64_t base, int64_
 #pragma unroll
   for (int u = 0; u < kU; ++u)
     if (base + u * 32 < row_vecs) v[u].vec = __ldcg(in + base + u * 32);
+}
+
+// sum[u][e] += the vectors' values, in fp32.
+template <typename T, typename Vec, int kU>
+__device__ __forceinline__ void accumulate(float (&sum)[kU][Pack<T, Vec>::kElems],
+                                           const Pack<T, Vec> (&v)[kU]) {
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+#pragma unroll
+    for (int e = 0; e < Pack<T, Vec>::kElems; ++e) sum[u][e] += to_float(v[u].elems[e]);
 }
 
 // out's vectors base + 32 u (u < kU) within the row: the fp32 sums rounded to T.
@@ -133,11 +142,7 @@ __device__ __forceinline__ void sum_group(const char* row, int count, int64_t ro
       }
 #pragma unroll
       for (int j = 0; j < kPartialBatch; ++j) {
-        if (i0 + j >= count) continue;  // warp-uniform
-#pragma unroll
-        for (int u = 0; u < kPartialUnroll; ++u)
-#pragma unroll
-          for (int e = 0; e < P::kElems; ++e) partial[u][e] += to_float(v[j][u].elems[e]);
+        if (i0 + j < count) accumulate<T>(partial, v[j]);  // warp-uniform
       }
     }
     store_rounded<T>(out, base, row_vecs, partial);
@@ -201,8 +206,8 @@ constexpr int kUnroll = 4;
 // leader order, it adds the group's stage-1 partial to the fp32 accumulator: the staged partial
 // of a remote group of two or more rows when the owners sum, else the group's rows (its own, or
 // an owner's read in place) summed in k order in fp32 and rounded to T.
-template <typename T, typename Vec>
 // One CTA per SM (launched so): the register budget of a 512-thread CTA alone.
+template <typename T, typename Vec>
 __global__ void __launch_bounds__(kThreads, 1) combine_sum_kernel(CombineParams p) {
   using P = Pack<T, Vec>;
   __shared__ const char* y_of[kMaxRanks];
@@ -234,10 +239,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_sum_kernel(CombineParams 
           const Vec* in = reinterpret_cast<const Vec*>(partial_row);
           P v[kUnroll];
           load_vectors<T>(in, base, row_vecs, v);
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-            for (int x = 0; x < P::kElems; ++x) acc[u][x] += to_float(v[u].elems[x]);
+          accumulate<T>(acc, v);
           continue;
         }
         float partial[kUnroll][P::kElems] = {};
@@ -248,10 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_sum_kernel(CombineParams 
           const Vec* in = reinterpret_cast<const Vec*>(y_of[dest] + row * row_bytes);
           P v[kUnroll];
           load_vectors<T>(in, base, row_vecs, v);
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-            for (int x = 0; x < P::kElems; ++x) partial[u][x] += to_float(v[u].elems[x]);
+          accumulate<T>(partial, v);
         }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)

@@ -119,7 +119,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepCombine, CombineExecute,
                                   .Arg<ffi::AnyBuffer>()         // y [NvS, H] bf16 | f32
                                   .Arg<ffi::Buffer<ffi::S32>>()  // dst [S * K] i32
                                   .Ret<ffi::AnyBuffer>()         // out [S, H] y.dtype
-                                  .Ret<ffi::AnyBuffer>()         // staging [S, G, H] y.dtype
+                                  .Ret<ffi::AnyBuffer>()         // staging [S, slots, H] y.dtype
                                   .Attr<ffi::Span<const int32_t>>("mesh_devices")
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("top_k")

@@ -76,8 +76,8 @@ def combine(y: jax.Array, plan: Plan, cfg: EPConfig) -> jax.Array:
     link: the rank holding two or more of a token's rows sums them (stage 1) and stores the
     partial into the home's `staging` (one slot per other rank that holds two or more of the
     token's rows: at most min(R - 1, K // 2)); the home reads a lone row in place, and sums its
-    own rows' stage 1 itself. With K = 1 no rank holds two rows: no slot, read in place.
-    Otherwise (`staging` of no slots) the home reads every row in place. `staging` is a second,
+    own rows' stage 1 itself. Otherwise, and with K = 1 (no rank holds two of a token's rows),
+    `staging` has no slots and the home reads every row in place. `staging` is a second,
     discarded result of the call, so XLA allocates it for the call's duration only.
     """
     _require_summable("moonep_jax.combine", "y", y)
