@@ -121,16 +121,6 @@ __device__ bool last_cta_done(int32_t* ticket, bool system_scope) {
   return last;
 }
 
-// The group barrier of the last CTA of a grid. A group of one has no peer to wait for or to
-// publish to: its own writes are ordered by this CTA's __syncthreads and the kernel boundary.
-__device__ void group_barrier(const GroupView& g, int slot, uint32_t epoch, const char* what) {
-  if (g.num_ranks > 1) {
-    barrier(g, slot, epoch, what);
-  } else {
-    __syncthreads();
-  }
-}
-
 __device__ __forceinline__ int warp_inclusive_sum(int v) {
   const int lane = threadIdx.x & 31;
   for (int d = 1; d < 32; d <<= 1) {
@@ -317,7 +307,7 @@ __device__ void exchange_and_balance(const PlanParams& p, int num_chunks, int* e
       publish(g, kMailboxRecvPrimary, p.recv_primary);
     }
   }
-  group_barrier(g, kBarrierExchange, call_epoch, "plan: expert count exchange");
+  barrier(g, kBarrierExchange, call_epoch, "plan: expert count exchange");
 
   // B1: global counts, this rank's base per expert, everything at home.
   if (tid < kMaxRanks * kMaxRanks) z[tid / kMaxRanks][tid % kMaxRanks] = 0;

@@ -247,6 +247,12 @@ __device__ inline const void* peer_address(const GroupView& g, int mailbox_slot,
 // and traps (the CUDA context is lost; no silent hang).
 __device__ inline void barrier(const GroupView& g, int barrier_slot, uint32_t epoch,
                                const char* what = "barrier") {
+  // A group of one has no peer to wait for or to publish to: its own writes are ordered by the
+  // CTA's __syncthreads and the kernel boundary.
+  if (g.num_ranks == 1) {
+    __syncthreads();
+    return;
+  }
   __shared__ uint32_t target;
   PeerArea* me = own_area(g);
   __threadfence_system();  // every thread's prior peer writes are performed before the arrival
