@@ -1,19 +1,23 @@
 """`--processes N` of the benchmarks: one EP rank per process, timed together, gathered at 0.
 
 The benchmark script (the parent) spawns N local processes with `moonep_jax.launch` and stays off
-the GPU itself. On a GPU host all N share GPU 0 under MPS (`launch.mps`), each with 1/N of its
-memory; on CPU each has one CPU device and XLA's CPU collectives go through gloo (the path's
-CPU test). Every process owns one rank of a 1-D ("ep",) mesh, times its own calls after a
-warm-up with a barrier through jax.distributed's key-value store before every repetition (so that
-no rank starts a repetition while a peer is still in the previous one), and process 0 gathers
-every rank's results through the same store and writes the record.
+the GPU itself. On a host with N or more GPUs process i drives GPU i (the product's layout: the
+ranks reach each other over NVLink through their peer mappings); on a host with fewer, all N
+share GPU 0 under MPS (`launch.mps`), each with 1/N of its memory; on CPU each has one CPU device
+and XLA's CPU collectives go through gloo (the path's CPU test). Every process owns one rank of
+a 1-D ("ep",) mesh, times its own calls after a warm-up with a barrier through jax.distributed's
+key-value store before every repetition (so that no rank starts a repetition while a peer is
+still in the previous one), and process 0 gathers every rank's results through the same store
+and writes the record.
 
-XLA's GPU collectives (NCCL) refuse two ranks on one GPU, so on GPU only moonep_jax's CUDA ops
-are timed and the baselines built on XLA collectives are recorded as skipped (`NCCL_REFUSES`).
+Only moonep_jax's ops are timed here: XLA's GPU collectives (NCCL) refuse two ranks on one GPU,
+and over one GPU per rank the baselines run in the benchmark's single-process mode (one process
+driving the same GPUs), so they are recorded as skipped.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -32,8 +36,14 @@ NOT_NVLINK = ("N processes share ONE GPU under MPS: all ranks run on the same SM
               "what one GPU per rank would give); bytes/s are HBM traffic of the one GPU")
 CPU_ONLY = ("N processes on the CPU backend (gloo), implementation 'xla': a harness check of the "
             "multi-process path, not a performance figure")
-NCCL_REFUSES = ("left out of --processes: XLA's GPU collectives (NCCL) refuse two ranks on one "
-                "GPU, and on CPU --processes times the moonep ops only")
+ONE_GPU_EACH = ("one process per GPU: the ranks reach each other's buffers over NVLink through "
+                "their peer mappings (CUDA IPC of the transport areas, VMM of the XLA pools)")
+NCCL_REFUSES = ("left out of --processes, which times the moonep ops only: XLA's GPU collectives "
+                "(NCCL) refuse two ranks on one GPU, and over one GPU per rank the baselines run "
+                "in the single-process benchmark (one process driving the same GPUs)")
+# How the parent placed the ranks, for the ranks' records: one of PLACEMENTS.
+PLACEMENT_ENV = "MOONEP_BENCH_PLACEMENT"
+PLACEMENTS = ("cpu", "one_gpu", "gpu_each")
 # Each process's share of the one GPU's memory (XLA preallocates its pool: the transport maps it
 # once at bootstrap); the rest is left for the N CUDA contexts and the MPS server.
 GPU_MEMORY_SHARE = 0.9
@@ -46,35 +56,45 @@ WAIT_S = 120.0
 CUDA_WAIT_S = 60.0
 
 
-def platform() -> str:
-    """'gpu' when this host shows a GPU and the CUDA extension is built, else 'cpu'."""
-    if os.environ.get("JAX_PLATFORMS") == "cpu" or launch.visible_gpu_count() == 0:
+def placement(n: int) -> str:
+    """Where the parent puts n ranks: 'cpu' (no GPU, or no CUDA extension), 'gpu_each' (the host
+    shows n or more GPUs: process i drives GPU i) or 'one_gpu' (all share GPU 0 under MPS)."""
+    gpus = 0 if os.environ.get("JAX_PLATFORMS") == "cpu" else launch.visible_gpu_count()
+    if gpus == 0 or not _ffi.available():
         return "cpu"
-    return "gpu" if _ffi.available() else "cpu"
+    return "gpu_each" if gpus >= n else "one_gpu"
 
 
 def layout(n: int, where: str) -> str:
-    if where == "gpu":
-        return f"{n} processes sharing one GPU under MPS, one EP rank each"
-    return f"{n} processes on the CPU backend (gloo), one EP rank (one CPU device) each"
+    return {"gpu_each": f"{n} processes, one GPU each, one EP rank each",
+            "one_gpu": f"{n} processes sharing one GPU under MPS, one EP rank each",
+            "cpu": f"{n} processes on the CPU backend (gloo), one EP rank (one CPU device) each",
+            }[where]
 
 
 def spawn(script: str, entry: str, n: int, args) -> None:
-    """Runs `entry(args)` of the file `script` in `n` processes (one EP rank each) and waits for
-    them; raises `launch.LaunchError` when one fails (the others are then killed) or after
-    JOB_TIMEOUT_S. Their output goes to this process's stdout."""
+    """Runs `entry(args)` of the file `script` in `n` processes (one EP rank each, placed by
+    `placement`) and waits for them; raises `launch.LaunchError` when one fails (the others are
+    then killed) or after JOB_TIMEOUT_S. Their output goes to this process's stdout."""
     jax.config.update("jax_platforms", "cpu")  # the parent never takes the ranks' GPU memory
-    where = platform()
+    where = placement(n)
     target = f"{pathlib.Path(script).resolve()}:{entry}"
     print(f"spawning {layout(n, where)}", flush=True)
+    run = functools.partial(launch.run, target, n, (args,), timeout_s=JOB_TIMEOUT_S,
+                            stream_output=True)
+    placed = {PLACEMENT_ENV: where}
     if where == "cpu":
-        launch.run(target, n, (args,), timeout_s=JOB_TIMEOUT_S, stream_output=True)
+        run(env=placed)
+        return
+    # XLA preallocates its pool: the transport maps it once at bootstrap.
+    placed["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
+    if where == "gpu_each":
+        run(platform="gpu", local_device_ids=[[i] for i in range(n)],
+            env=dict(placed, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{GPU_MEMORY_SHARE:.4f}"))
         return
     with launch.mps() as mps_env:
-        env = dict(mps_env, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{GPU_MEMORY_SHARE / n:.4f}",
-                   XLA_PYTHON_CLIENT_PREALLOCATE="true")
-        launch.run(target, n, (args,), platform="gpu", env=env, timeout_s=JOB_TIMEOUT_S,
-                   stream_output=True)
+        run(platform="gpu", env=dict(mps_env, **placed,
+                                     XLA_PYTHON_CLIENT_MEM_FRACTION=f"{GPU_MEMORY_SHARE / n:.4f}"))
 
 
 # ---- inside a rank's process --------------------------------------------------------------------
@@ -178,19 +198,30 @@ def across_ranks(per_rank: list[dict]) -> dict:
             "slowest_rank": int(np.argmax(medians)), "median_ms_per_rank": medians}
 
 
+def my_placement() -> str:
+    """How the parent placed this job's ranks (`placement`), from the environment it set."""
+    where = os.environ.get(PLACEMENT_ENV)
+    if where not in PLACEMENTS:
+        raise RuntimeError(f"--processes: ${PLACEMENT_ENV} must be one of {PLACEMENTS} (the "
+                           f"benchmark's spawn sets it); got {where!r}")
+    return where
+
+
 def provenance(n: int) -> dict:
     """`_common.provenance()` plus the process layout and what the times mean."""
-    where = jax.default_backend()
+    where = my_placement()
     return {**_common.provenance(), "processes": n, "process_layout": layout(n, where),
-            "physical_gpus": 1 if where == "gpu" else 0,
-            "timing_note": NOT_NVLINK if where == "gpu" else CPU_ONLY,
+            "physical_gpus": {"cpu": 0, "one_gpu": 1, "gpu_each": n}[where],
+            "timing_note": {"cpu": CPU_ONLY, "one_gpu": NOT_NVLINK,
+                            "gpu_each": ONE_GPU_EACH}[where],
             "timing": "each rank times its own calls: median of reps after a warm-up, a barrier "
                       "(jax.distributed key-value store) before each repetition; median_ms of an "
                       "op is the max over ranks"}
 
 
 def stem(bench: str, n: int, quick: bool) -> str:
-    """File name of the record: GPU model x1 (all ranks on one GPU) and the process count."""
-    count = 1 if jax.default_backend() == "gpu" else n
-    return (f"{bench}_{_common.device_tag(count)}_{n}proc" + ("_mps" if count == 1 else "")
-            + ("_quick" if quick else ""))
+    """File name of the record: GPU model x GPUs (x1 and `_mps` when all ranks share one GPU)
+    and the process count."""
+    shared = my_placement() == "one_gpu"
+    return (f"{bench}_{_common.device_tag(1 if shared else n)}_{n}proc"
+            + ("_mps" if shared else "") + ("_quick" if quick else ""))

@@ -29,15 +29,17 @@ bytes/t (one row per (token, remote destination rank), what dispatch and combine
 Writes `<out>/bench_dispatch_<gpu>x<count>.json` (and a PNG plot when matplotlib is importable).
 `--quick` runs a tiny shape (CPU smoke test; on CPU only the xla path and all_to_all run).
 
-`--processes N` runs one EP rank per process (benchmarks/_processes.py): N local processes, on a
-GPU host all sharing GPU 0 under MPS, at maxvio 1 and 20 and the same shape. Only the CUDA ops
-(prefetch included) are timed (XLA's NCCL collectives refuse two ranks on one GPU: the baselines
-are recorded as skipped; on CPU the xla ops stand in, a harness check); each rank times its own
-calls, process 0 writes `bench_dispatch_<gpu>x1_<N>proc_mps.json` with every rank's times, the max
-over ranks, and per op the bytes each rank's kernels read and write (`hbm_bytes`) with the implied
-GB/s, and the part of them read from other ranks (`link_bytes`; both modes record both). On one GPU
-these are NOT NVLink figures: all ranks share its SMs and HBM, and the link is HBM (prefetch's
-`hbm_gbps_all_ranks` is then the GPU's HBM read + write rate of the replica copies).
+`--processes N` runs one EP rank per process (benchmarks/_processes.py): N local processes, one
+GPU each on a host with N or more GPUs, else all sharing GPU 0 under MPS, at maxvio 1 and 20 and
+the same shape. Only the CUDA ops (prefetch included) are timed (the baselines are recorded as
+skipped: XLA's NCCL collectives refuse two ranks on one GPU, and over one GPU per rank they run in
+the single-process mode; on CPU the xla ops stand in, a harness check); each rank times its own
+calls, process 0 writes `bench_dispatch_<gpu>x<gpus>_<N>proc[_mps].json` with every rank's times,
+the max over ranks, and per op the bytes each rank's kernels read and write (`hbm_bytes`) with
+the implied GB/s, and the part of them read from other ranks (`link_bytes`; both modes record
+both). Sharing one GPU these are NOT NVLink figures: all ranks share its SMs and HBM, and the link
+is HBM (prefetch's `hbm_gbps_all_ranks` is then the GPU's HBM read + write rate of the replica
+copies).
 
     python benchmarks/bench_dispatch.py [--quick] [--out DIR] [--iters N] [--reps N]
     python benchmarks/bench_dispatch.py --processes N [--quick] [--out DIR] [--iters N] [--reps N]
@@ -612,8 +614,9 @@ def main():
     parser.add_argument("--iters", type=int, default=None, help="calls per timed loop")
     parser.add_argument("--reps", type=int, default=None, help="timed loops per point")
     parser.add_argument("--processes", type=int, default=1,
-                        help="one EP rank per process, N local processes (on GPU all sharing "
-                             "GPU 0 under MPS: not NVLink figures); times the moonep ops only")
+                        help="one EP rank per process, N local processes (one GPU each where "
+                             "the host has N, else all sharing GPU 0 under MPS: not NVLink "
+                             "figures); times the moonep ops only")
     args = parser.parse_args()
     args.iters = args.iters or (2 if args.quick else 50)
     args.reps = args.reps or (3 if args.quick else 7)

@@ -47,15 +47,17 @@ dispatch/combine, rest); the raw CSV goes to
 `--out` (or /tmp). Writes `bench_layer_<gpu>x1_onegpu.json` and `.png`. `--one-gpu --quick` is a
 CPU smoke test (implementation xla, E=16).
 
-`--processes N`: one EP rank per process (benchmarks/_processes.py), N local processes, on a GPU
-host all sharing GPU 0 under MPS, at PROCESS_SHAPE (S=4096, H=7168, K=8, E=128, F=2048: the
-record shape's buffers would not fit N ranks on one GPU), maxvio 1 and 20, --reps 5. Only
-moonep_jax's fwd+bwd is timed (the baselines need XLA's NCCL collectives, which refuse two ranks
-on one GPU: recorded as skipped; on CPU the xla implementation stands in, a harness check), each
-rank's step a `jax.vjp` pullback of its own d_out inside the shard_map (the same gradients without
-XLA's all-reduce of a global loss). Each rank times its own steps; process 0 writes
-`bench_layer_<gpu>x1_<N>proc_mps.json` (to --out, else benchmarks/results) with every rank's times
-and the max over ranks. On one GPU these are NOT NVLink figures: all ranks share its SMs and HBM.
+`--processes N`: one EP rank per process (benchmarks/_processes.py), N local processes: one GPU
+each on a host with N or more GPUs, at RECORD; else all sharing GPU 0 under MPS, at PROCESS_SHAPE
+(S=4096, H=7168, K=8, E=128, F=2048: the record shape's buffers would not fit N ranks on one GPU);
+maxvio 1 and 20, --reps 5. Only moonep_jax's fwd+bwd is timed (the baselines are recorded as
+skipped: they need XLA's NCCL collectives, which refuse two ranks on one GPU, and over one GPU
+per rank they run in the single-process mode; on CPU the xla implementation stands in, a harness
+check), each rank's step a `jax.vjp` pullback of its own d_out inside the shard_map (the same
+gradients without XLA's all-reduce of a global loss). Each rank times its own steps; process 0
+writes `bench_layer_<gpu>x<gpus>_<N>proc[_mps].json` (to --out, else benchmarks/results) with
+every rank's times and the max over ranks. Sharing one GPU these are NOT NVLink figures: all
+ranks share its SMs and HBM.
 
     python benchmarks/bench_layer.py [--quick] [--out DIR] [--reps N]
     python benchmarks/bench_layer.py --processes N [--quick] [--out DIR] [--reps N]
@@ -808,7 +810,8 @@ def run_ranks(args) -> None:
     mesh = _processes.ep_mesh()
     R, rank, first = mesh.size, _processes.my_rank(mesh), jax.process_index() == 0
     impl = _processes.implementation()
-    shape = quick_shape(R) if args.quick else PROCESS_SHAPE
+    full = _processes.my_placement() == "gpu_each"  # a GPU per rank holds the record shape
+    shape = quick_shape(R) if args.quick else RECORD if full else PROCESS_SHAPE
     cfg = moonep_jax.EPConfig(num_experts=shape.E, top_k=shape.K, tokens_per_rank=shape.S,
                               hidden=shape.H, ffn_hidden=shape.F, num_ranks=R,
                               implementation=impl, cuda=_processes.cuda_options())
@@ -903,9 +906,9 @@ def main():
                              "custom calls included (COMMAND_BUFFER_FLAGS; the dense floor runs "
                              "under the same flags); the record's name ends in _command_buffers")
     parser.add_argument("--processes", type=int, default=1,
-                        help="one EP rank per process, N local processes (on GPU all sharing "
-                             "GPU 0 under MPS: not NVLink figures) at PROCESS_SHAPE; times "
-                             "moonep's fwd+bwd only")
+                        help="one EP rank per process, N local processes (one GPU each where "
+                             "the host has N, at RECORD; else all sharing GPU 0 under MPS at "
+                             "PROCESS_SHAPE: not NVLink figures); times moonep's fwd+bwd only")
     args = parser.parse_args()
     if args.command_buffers:  # before the first jax.devices(): XLA reads its flags at start-up
         os.environ["XLA_FLAGS"] = " ".join(

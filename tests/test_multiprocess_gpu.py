@@ -1,9 +1,10 @@
-"""EP groups spanning processes: R = 2, 4, 8 JAX processes sharing the one GPU under MPS.
+"""EP groups spanning processes: R = 2, 4, 8 JAX processes, one EP rank each, placed two ways:
+all sharing the one GPU under MPS ("one_gpu", each with `CUDA_VISIBLE_DEVICES=0`), and one GPU
+per process ("gpu_each", `local_device_ids`; skipped on a host with fewer than R GPUs).
 
-Each process sets `CUDA_VISIBLE_DEVICES=0` and owns one EP rank (moonep_jax.launch); the
-transport maps every peer's XLA pool once at bootstrap and the kernels reach the peers' buffers
-through those mappings. XLA's GPU collectives refuse two ranks on one GPU, so each process also
-computes the xla reference on the job's CPU devices (gloo), on the same inputs:
+The transport maps every peer's XLA pool once at bootstrap and the kernels reach the peers'
+buffers through those mappings. XLA's GPU collectives refuse two ranks on one GPU, so each
+process also computes the xla reference on the job's CPU devices (gloo), on the same inputs:
 - plan, dispatch, combine, prefetch and reduce_grad must be bitwise equal to it;
 - the grouped GEMM (training, and inference with overflow experts read from the peers' pools)
   and moe_ffn forward and gradients within `||a - b|| / ||b|| < 1e-2` (the CuTe GEMM
@@ -52,6 +53,9 @@ PLAN_SHAPES = (Sizes(S=2500, K=8, E=64), Sizes(S=600, K=6, E=48, B=2, tp=4),
                Sizes(S=4096, K=4, E=32, tp=2), Sizes(S=256, K=8, E=2048))
 
 
+PLACEMENTS = ("one_gpu", "gpu_each")
+
+
 @pytest.fixture(scope="module")
 def mps_env():
     """An MPS daemon for the module (started here unless one runs), and the clients' env."""
@@ -59,18 +63,29 @@ def mps_env():
         yield env
 
 
-def _env(mps_env: dict, R: int) -> dict:
-    return dict(mps_env, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.6 / R:.4f}",
-                XLA_PYTHON_CLIENT_PREALLOCATE="true")
+def _placed(placement: str, R: int, mps_env: dict) -> dict:
+    """launch.run's arguments that place R ranks: all on GPU 0 under MPS, each with a share of
+    its memory, or process i on GPU i (every process still sees every GPU, to map its peers)."""
+    memory = {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
+    if placement == "one_gpu":
+        return dict(platform="gpu",
+                    env=dict(mps_env, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.6 / R:.4f}", **memory))
+    gpus = launch.visible_gpu_count()
+    if gpus < R:
+        pytest.skip(f"one GPU per process at R = {R} needs {R} GPUs; this host shows {gpus}")
+    return dict(platform="gpu", local_device_ids=[[i] for i in range(R)],
+                env=dict(XLA_PYTHON_CLIENT_MEM_FRACTION="0.6", **memory))
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("R", [2, 4, 8])
-def test_cuda_ops_in_processes_sharing_one_gpu_match_xla(mps_env, seed, R):
+def test_cuda_ops_in_processes_match_xla(mps_env, seed, R, placement):
     results = launch.run(f"{WORKLOADS}:gpu_suite", R, (seed, MAXVIOS, CASES, CALLS),
-                         platform="gpu", env=_env(mps_env, R), timeout_s=300)
-    check_suite([r.value for r in results], f"R={R}", CALLS)
-    # Every process found its group's ranks on one GPU: combine reads in place by default.
-    assert [r.value["combine_on_owner"] for r in results] == [False] * R
+                         timeout_s=300, **_placed(placement, R, mps_env))
+    check_suite([r.value for r in results], f"R={R} {placement}", CALLS)
+    # Where a group's ranks share one GPU, combine reads in place by default; over several GPUs
+    # the owners sum its first stage.
+    assert [r.value["combine_on_owner"] for r in results] == [placement == "gpu_each"] * R
 
 
 # Combine's row loops past one step (bf16 rows of 129 16-byte vectors), 4-byte vectors (f32,
@@ -83,29 +98,33 @@ COMBINE_SHAPES = tuple((dataclasses.replace(sizes, combine_on_owner=on_owner), d
                        for on_owner in (True, False))
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("R", [2, 4, 8])
-def test_combine_row_shapes_in_processes_match_xla(mps_env, seed, R):
+def test_combine_row_shapes_in_processes_match_xla(mps_env, seed, R, placement):
     results = launch.run(f"{WORKLOADS}:combine_shapes", R, (seed, COMBINE_SHAPES),
-                         platform="gpu", env=_env(mps_env, R), timeout_s=300)
-    check_combine_shapes([r.value for r in results], f"R={R}")
+                         timeout_s=300, **_placed(placement, R, mps_env))
+    check_combine_shapes([r.value for r in results], f"R={R} {placement}")
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("R", [2, 8])
-def test_plan_back_to_back_with_many_ctas_in_processes_matches_xla(mps_env, seed, R):
+def test_plan_back_to_back_with_many_ctas_in_processes_matches_xla(mps_env, seed, R, placement):
     """1000 plans back to back whose kernel grids have many CTAs (the last one of each waits on
     the peers' grids, which run in other processes) and whose shapes change from call to call:
     every call bitwise equal to its reference (tickets, block sums, invalid counts reset)."""
     results = launch.run(f"{WORKLOADS}:plan_back_to_back", R, (seed, CALLS, PLAN_SHAPES),
-                         platform="gpu", env=_env(mps_env, R), timeout_s=300)
-    check_plan_loop([r.value for r in results], f"R={R}", CALLS, R)
+                         timeout_s=300, **_placed(placement, R, mps_env))
+    check_plan_loop([r.value for r in results], f"R={R} {placement}", CALLS, R)
 
 
-def test_dead_process_makes_the_others_exit_through_bounded_waits(mps_env, seed):
-    R, victim, timeout_s = 4, 2, 3.0
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_dead_process_makes_the_others_exit_through_bounded_waits(mps_env, seed, placement):
+    # Four ranks on the one GPU; over GPUs, two (what a two-GPU host holds).
+    R, victim, timeout_s = (4, 2, 3.0) if placement == "one_gpu" else (2, 1, 3.0)
     start = time.monotonic()
     results = launch.run(f"{WORKLOADS}:die_mid_run", R, (seed, victim, 200, TRAIN, timeout_s),
-                         platform="gpu", env=_env(mps_env, R), timeout_s=150,
-                         expect_failure=True, stop_on_failure=False)
+                         timeout_s=150, expect_failure=True, stop_on_failure=False,
+                         **_placed(placement, R, mps_env))
     elapsed = time.monotonic() - start
     assert results[victim].returncode == -signal.SIGKILL, results[victim].tail()
     assert f"process {victim}: killing myself" in results[victim].output

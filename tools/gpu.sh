@@ -88,8 +88,9 @@ run() {
     # shellcheck disable=SC2086
     run_pytest "${GPU_TEST_TIMEOUT:-420}" -m "gpu and not multiprocess_gpu" --durations=20 \
       ${GPU_TEST_ARGS:-tests} || status=1
-    # EP groups spanning processes: R = 2, 4, 8 processes sharing the GPU under MPS (the tests
-    # start the MPS daemon unless one runs). The test process itself stays off the GPU.
+    # EP groups spanning processes: R = 2, 4, 8 processes sharing GPU 0 under MPS (the tests
+    # start the MPS daemon unless one runs), and one GPU per process where the host has R GPUs.
+    # The test process itself stays off the GPU.
     if [ -z "${GPU_TEST_ARGS:-}" ] || [ -n "${GPU_MP_TEST_ARGS:-}" ]; then
       # shellcheck disable=SC2086
       (export JAX_PLATFORMS=cpu; run_pytest "${GPU_MP_TEST_TIMEOUT:-480}" -m multiprocess_gpu \
