@@ -36,16 +36,18 @@ NOT_NVLINK = ("N processes share ONE GPU under MPS: all ranks run on the same SM
               "what one GPU per rank would give); bytes/s are HBM traffic of the one GPU")
 CPU_ONLY = ("N processes on the CPU backend (gloo), implementation 'xla': a harness check of the "
             "multi-process path, not a performance figure")
-ONE_GPU_EACH = ("one process per GPU: the ranks reach each other's buffers over NVLink through "
-                "their peer mappings (CUDA IPC of the transport areas, VMM of the XLA pools)")
+ONE_GPU_EACH = ("one process per GPU: the ranks reach each other's buffers over the GPUs' peer "
+                "link (NVLink on an H100/H200 node) through their peer mappings (CUDA IPC of the "
+                "transport areas, VMM of the XLA pools)")
 NCCL_REFUSES = ("left out of --processes, which times the moonep ops only: XLA's GPU collectives "
                 "(NCCL) refuse two ranks on one GPU, and over one GPU per rank the baselines run "
                 "in the single-process benchmark (one process driving the same GPUs)")
 # How the parent placed the ranks, for the ranks' records: one of PLACEMENTS.
 PLACEMENT_ENV = "MOONEP_BENCH_PLACEMENT"
 PLACEMENTS = ("cpu", "one_gpu", "gpu_each")
-# Each process's share of the one GPU's memory (XLA preallocates its pool: the transport maps it
-# once at bootstrap); the rest is left for the N CUDA contexts and the MPS server.
+# The ranks' share of each GPU's memory (XLA preallocates its pool: the transport maps it once at
+# bootstrap), split N ways when N ranks share one GPU; the rest is left for the CUDA contexts
+# (and the MPS server).
 GPU_MEMORY_SHARE = 0.9
 # Bounds: the whole job stays under tools/gpu.sh's GPU_BENCH_TIMEOUT (300 s); one wait for peers
 # covers a peer's compile.
@@ -59,7 +61,8 @@ CUDA_WAIT_S = 60.0
 def placement(n: int) -> str:
     """Where the parent puts n ranks: 'cpu' (no GPU, or no CUDA extension), 'gpu_each' (the host
     shows n or more GPUs: process i drives GPU i) or 'one_gpu' (all share GPU 0 under MPS)."""
-    gpus = 0 if os.environ.get("JAX_PLATFORMS") == "cpu" else launch.visible_gpu_count()
+    on_cpu = os.environ.get("JAX_PLATFORMS", "").lower() == "cpu"
+    gpus = 0 if on_cpu else launch.visible_gpu_count()
     if gpus == 0 or not _ffi.available():
         return "cpu"
     return "gpu_each" if gpus >= n else "one_gpu"

@@ -359,7 +359,8 @@ def byte_count_methods() -> dict:
 
 def hbm_rates(moved: dict, times_ms: list[float]) -> dict:
     """GB/s of one op: each rank's bytes (read + written) over its own time, and all ranks'
-    bytes over the slowest rank's time (what one GPU's HBM carried when the ranks share it)."""
+    bytes over the slowest rank's time (what one GPU's HBM carried when the ranks share it; over
+    one GPU per rank, the sum over the GPUs, a peer's reads counted as the reader's)."""
     total = [r + w for r, w in zip(moved["read"], moved["written"])]
     return {"hbm_gbps_per_rank": [b / (t * 1e-3) / 1e9 for b, t in zip(total, times_ms)],
             "hbm_gbps_all_ranks": sum(total) / (max(times_ms) * 1e-3) / 1e9}

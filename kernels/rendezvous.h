@@ -67,8 +67,9 @@ struct PublishedAddresses {
 // `peer_address(g, mailbox_slot(op_slot, i), peer)` (translated into this process's mapping of
 // a peer process's pool). Middle (ops of two phases): barrier (slot 2), after which every peer's
 // first-phase writes are visible; the published buffers stay valid. Exit: barrier (slot 1), so
-// that no buffer is released or reused while a peer still reads or writes it. Defined in
-// kernels/rendezvous.cu.
+// that no buffer is released or reused while a peer still reads or writes it. A group of one
+// (R = 1) has no peer: its entry only advances the epoch and publishes, and its middle and exit
+// are not launched. Defined in kernels/rendezvous.cu.
 cudaError_t launch_entry_rendezvous(const GroupView& group, int op_slot,
                                     const PublishedAddresses& addresses, cudaStream_t stream);
 // The ops that publish up to three addresses, into mailbox slots 0, 1 and 2.

@@ -217,13 +217,34 @@ def initialize(process_id: int, num_processes: int, port: int,
 
 
 def visible_gpu_count() -> int:
-    """GPUs this host shows CUDA (by CUDA_VISIBLE_DEVICES, else /dev/nvidiaN), without touching
-    CUDA in this process."""
+    """GPUs CUDA would show a process started here, without touching CUDA in this process: those
+    `nvidia-smi -L` lists (the /dev/nvidiaN nodes where it is not installed; a device node alone
+    can outnumber the GPUs a container may use), narrowed by CUDA_VISIBLE_DEVICES as CUDA reads
+    it: indices or UUIDs up to the first invalid entry, which hides itself and all after it."""
+    listed = _listed_gpus()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    return sum(1 for name in os.listdir("/dev") if name[6:].isdigit()
-               and name.startswith("nvidia")) if os.path.isdir("/dev") else 0
+    if visible is None:
+        return listed
+    count = 0
+    for entry in (e.strip() for e in visible.split(",")):
+        if not (entry.startswith(("GPU-", "MIG-")) or (entry.isdigit() and int(entry) < listed)):
+            break
+        count += 1
+    return count
+
+
+def _listed_gpus() -> int:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return sum(1 for name in os.listdir("/dev") if name[6:].isdigit()
+                   and name.startswith("nvidia")) if os.path.isdir("/dev") else 0
+    try:
+        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    if listing.returncode != 0:  # no driver, or no GPU it can reach
+        return 0
+    return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ Each function builds a 1-D ("ep",) mesh over the job's devices of one backend, m
 global inputs in every process from a seed, runs the ops under `jax.jit(jax.shard_map(...))` and
 returns this process's shards of every result (`{name: [(start index, array), ...]}`) with
 `local_shards`: nothing is gathered with a collective (XLA's GPU collectives refuse two ranks on
-one GPU). The test process puts the global arrays back together with `assemble`.
+one GPU, and the same workloads run with the ranks sharing one). The test process puts the global arrays back together with `assemble`.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def ep_ops(seed: int, maxvio: float, impl: str, backend: str, sizes: Sizes = Siz
     return local_shards(fn(*(put(mesh, g[k]) for k in INPUT_ORDER)))
 
 
-# ---- GPU: the CUDA ops in N processes sharing one GPU, against xla on the CPU backend ---------
+# ---- GPU: the CUDA ops in N processes (on one GPU or one each), against xla on the CPU backend
 
 def gpu_vs_cpu(seed: int, maxvios: tuple, cases: tuple, impl: str = "cuda",
                backend: str = "gpu") -> dict:

@@ -1,6 +1,7 @@
 """`bench_dispatch` and `bench_layer --processes 2 --quick` run end to end on CPU (gloo, xla).
 
-The GPU runner runs the same path with N processes sharing one GPU under MPS; here it must not
+The GPU runner runs the same path with N processes on GPUs (one each, or all sharing one under
+MPS: `_processes.placement`, tests/test_bench_placement.py); here it must not
 first fail on the harness: spawning the ranks, the barriers, the gather at process 0 and the
 record, which must hold every rank's times and say what the times are not.
 """

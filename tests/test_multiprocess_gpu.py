@@ -63,13 +63,14 @@ def mps_env():
         yield env
 
 
-def _placed(placement: str, R: int, mps_env: dict) -> dict:
-    """launch.run's arguments that place R ranks: all on GPU 0 under MPS, each with a share of
-    its memory, or process i on GPU i (every process still sees every GPU, to map its peers)."""
+def _placed(placement: str, R: int, request) -> dict:
+    """launch.run's arguments that place R ranks: all on GPU 0 under MPS (the module's daemon),
+    each with a share of its memory, or process i on GPU i, without MPS (every process still sees
+    every GPU, to map its peers; skipped where the host shows fewer than R)."""
     memory = {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
     if placement == "one_gpu":
-        return dict(platform="gpu",
-                    env=dict(mps_env, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.6 / R:.4f}", **memory))
+        return dict(platform="gpu", env=dict(request.getfixturevalue("mps_env"), **memory,
+                                             XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.6 / R:.4f}"))
     gpus = launch.visible_gpu_count()
     if gpus < R:
         pytest.skip(f"one GPU per process at R = {R} needs {R} GPUs; this host shows {gpus}")
@@ -79,9 +80,9 @@ def _placed(placement: str, R: int, mps_env: dict) -> dict:
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("R", [2, 4, 8])
-def test_cuda_ops_in_processes_match_xla(mps_env, seed, R, placement):
+def test_cuda_ops_in_processes_match_xla(request, seed, R, placement):
     results = launch.run(f"{WORKLOADS}:gpu_suite", R, (seed, MAXVIOS, CASES, CALLS),
-                         timeout_s=300, **_placed(placement, R, mps_env))
+                         timeout_s=300, **_placed(placement, R, request))
     check_suite([r.value for r in results], f"R={R} {placement}", CALLS)
     # Where a group's ranks share one GPU, combine reads in place by default; over several GPUs
     # the owners sum its first stage.
@@ -100,31 +101,31 @@ COMBINE_SHAPES = tuple((dataclasses.replace(sizes, combine_on_owner=on_owner), d
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("R", [2, 4, 8])
-def test_combine_row_shapes_in_processes_match_xla(mps_env, seed, R, placement):
+def test_combine_row_shapes_in_processes_match_xla(request, seed, R, placement):
     results = launch.run(f"{WORKLOADS}:combine_shapes", R, (seed, COMBINE_SHAPES),
-                         timeout_s=300, **_placed(placement, R, mps_env))
+                         timeout_s=300, **_placed(placement, R, request))
     check_combine_shapes([r.value for r in results], f"R={R} {placement}")
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("R", [2, 8])
-def test_plan_back_to_back_with_many_ctas_in_processes_matches_xla(mps_env, seed, R, placement):
+def test_plan_back_to_back_with_many_ctas_in_processes_matches_xla(request, seed, R, placement):
     """1000 plans back to back whose kernel grids have many CTAs (the last one of each waits on
     the peers' grids, which run in other processes) and whose shapes change from call to call:
     every call bitwise equal to its reference (tickets, block sums, invalid counts reset)."""
     results = launch.run(f"{WORKLOADS}:plan_back_to_back", R, (seed, CALLS, PLAN_SHAPES),
-                         timeout_s=300, **_placed(placement, R, mps_env))
+                         timeout_s=300, **_placed(placement, R, request))
     check_plan_loop([r.value for r in results], f"R={R} {placement}", CALLS, R)
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_dead_process_makes_the_others_exit_through_bounded_waits(mps_env, seed, placement):
+def test_dead_process_makes_the_others_exit_through_bounded_waits(request, seed, placement):
     # Four ranks on the one GPU; over GPUs, two (what a two-GPU host holds).
     R, victim, timeout_s = (4, 2, 3.0) if placement == "one_gpu" else (2, 1, 3.0)
     start = time.monotonic()
     results = launch.run(f"{WORKLOADS}:die_mid_run", R, (seed, victim, 200, TRAIN, timeout_s),
                          timeout_s=150, expect_failure=True, stop_on_failure=False,
-                         **_placed(placement, R, mps_env))
+                         **_placed(placement, R, request))
     elapsed = time.monotonic() - start
     assert results[victim].returncode == -signal.SIGKILL, results[victim].tail()
     assert f"process {victim}: killing myself" in results[victim].output

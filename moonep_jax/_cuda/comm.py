@@ -3,8 +3,8 @@
 Each function has the signature of docs/CONTRACT.md and runs inside `jax.shard_map` over the EP
 axis, per rank. It is one XLA FFI call (`xla_ffi/<op>.cc`): the kernels publish the addresses of
 XLA's own operand/result buffers to the peers, barrier, move rows over NVLink straight into (or out
-of) those buffers, and barrier again on exit. Result types come from `jax.typeof(...)` so that they
-keep the operands' varying-mesh-axis annotation.
+of) those buffers, and barrier again on exit (a group of one rank skips the barriers). Result
+types come from `jax.typeof(...)` so that they keep the operands' varying-mesh-axis annotation.
 
 Every call also receives the transport attributes: `mesh_devices` (the JAX device ids of the
 bootstrapped mesh, one row per EP group; the kernels find their EP rank in it), `num_ranks`,
