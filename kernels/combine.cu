@@ -302,20 +302,20 @@ __global__ void __launch_bounds__(kThreads) combine_weights_gather_kernel(Combin
 }
 
 // Loaded on every device when a transport context is created (lazy loading while a peer spins
-// in a barrier can deadlock).
+// in a barrier can deadlock): both kernels of each (T, Vec) that launch_combine launches.
+template <typename T, typename Vec>
+int preload_combine_kernels() {
+  register_kernel_for_preload(as_symbol(&combine_partial_kernel<T, Vec>));
+  return register_kernel_for_preload(as_symbol(&combine_sum_kernel<T, Vec>));
+}
+
 [[maybe_unused]] const int kPreloaded[] = {
-    register_kernel_for_preload(as_symbol(&combine_partial_kernel<__nv_bfloat16, uint4>)),
-    register_kernel_for_preload(as_symbol(&combine_sum_kernel<__nv_bfloat16, uint4>)),
-    register_kernel_for_preload(as_symbol(&combine_partial_kernel<__nv_bfloat16, uint32_t>)),
-    register_kernel_for_preload(as_symbol(&combine_sum_kernel<__nv_bfloat16, uint32_t>)),
-    register_kernel_for_preload(as_symbol(&combine_partial_kernel<__nv_bfloat16, __nv_bfloat16>)),
-    register_kernel_for_preload(as_symbol(&combine_sum_kernel<__nv_bfloat16, __nv_bfloat16>)),
-    register_kernel_for_preload(as_symbol(&combine_partial_kernel<float, uint4>)),
-    register_kernel_for_preload(as_symbol(&combine_sum_kernel<float, uint4>)),
-    register_kernel_for_preload(as_symbol(&combine_partial_kernel<float, uint32_t>)),
-    register_kernel_for_preload(as_symbol(&combine_sum_kernel<float, uint32_t>)),
-    register_kernel_for_preload(as_symbol(&combine_partial_kernel<float, float>)),
-    register_kernel_for_preload(as_symbol(&combine_sum_kernel<float, float>)),
+    preload_combine_kernels<__nv_bfloat16, uint4>(),
+    preload_combine_kernels<__nv_bfloat16, uint32_t>(),
+    preload_combine_kernels<__nv_bfloat16, __nv_bfloat16>(),
+    preload_combine_kernels<float, uint4>(),
+    preload_combine_kernels<float, uint32_t>(),
+    preload_combine_kernels<float, float>(),
     register_kernel_for_preload(as_symbol(&combine_weights_gather_kernel)),
 };
 
