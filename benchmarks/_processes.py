@@ -68,11 +68,16 @@ def placement(n: int) -> str:
     return "gpu_each" if gpus >= n else "one_gpu"
 
 
-def layout(n: int, where: str) -> str:
-    return {"gpu_each": f"{n} processes, one GPU each, one EP rank each",
-            "one_gpu": f"{n} processes sharing one GPU under MPS, one EP rank each",
-            "cpu": f"{n} processes on the CPU backend (gloo), one EP rank (one CPU device) each",
-            }[where]
+def described(n: int, where: str) -> dict:
+    """What a record says of n ranks placed `where` (one of PLACEMENTS)."""
+    return {
+        "gpu_each": {"process_layout": f"{n} processes, one GPU each, one EP rank each",
+                     "physical_gpus": n, "timing_note": ONE_GPU_EACH},
+        "one_gpu": {"process_layout": f"{n} processes sharing one GPU under MPS, one EP rank each",
+                    "physical_gpus": 1, "timing_note": NOT_NVLINK},
+        "cpu": {"process_layout": f"{n} processes on the CPU backend (gloo), one EP rank (one CPU "
+                                  "device) each", "physical_gpus": 0, "timing_note": CPU_ONLY},
+    }[where]
 
 
 def spawn(script: str, entry: str, n: int, args) -> None:
@@ -82,7 +87,7 @@ def spawn(script: str, entry: str, n: int, args) -> None:
     jax.config.update("jax_platforms", "cpu")  # the parent never takes the ranks' GPU memory
     where = placement(n)
     target = f"{pathlib.Path(script).resolve()}:{entry}"
-    print(f"spawning {layout(n, where)}", flush=True)
+    print(f"spawning {described(n, where)['process_layout']}", flush=True)
     run = functools.partial(launch.run, target, n, (args,), timeout_s=JOB_TIMEOUT_S,
                             stream_output=True)
     placed = {PLACEMENT_ENV: where}
@@ -212,11 +217,7 @@ def my_placement() -> str:
 
 def provenance(n: int) -> dict:
     """`_common.provenance()` plus the process layout and what the times mean."""
-    where = my_placement()
-    return {**_common.provenance(), "processes": n, "process_layout": layout(n, where),
-            "physical_gpus": {"cpu": 0, "one_gpu": 1, "gpu_each": n}[where],
-            "timing_note": {"cpu": CPU_ONLY, "one_gpu": NOT_NVLINK,
-                            "gpu_each": ONE_GPU_EACH}[where],
+    return {**_common.provenance(), "processes": n, **described(n, my_placement()),
             "timing": "each rank times its own calls: median of reps after a warm-up, a barrier "
                       "(jax.distributed key-value store) before each repetition; median_ms of an "
                       "op is the max over ranks"}

@@ -84,15 +84,17 @@ def test_spawn_on_cpu(host):
     assert kwargs["env"] == {_processes.PLACEMENT_ENV: "cpu"}
 
 
-@pytest.mark.parametrize("where, gpus, name, note", [
-    ("one_gpu", 1, "bench_x_cpux1_2proc_mps_quick", _processes.NOT_NVLINK),
-    ("gpu_each", 2, "bench_x_cpux2_2proc_quick", _processes.ONE_GPU_EACH),
-    ("cpu", 0, "bench_x_cpux2_2proc_quick", _processes.CPU_ONLY)])
-def test_the_ranks_records_name_the_layout(monkeypatch, where, gpus, name, note):
+@pytest.mark.parametrize("where, gpus, name, note, layout", [
+    ("one_gpu", 1, "bench_x_cpux1_2proc_mps_quick", _processes.NOT_NVLINK,
+     "2 processes sharing one GPU under MPS"),
+    ("gpu_each", 2, "bench_x_cpux2_2proc_quick", _processes.ONE_GPU_EACH,
+     "2 processes, one GPU each"),
+    ("cpu", 0, "bench_x_cpux2_2proc_quick", _processes.CPU_ONLY, "2 processes on the CPU")])
+def test_the_ranks_records_name_the_layout(monkeypatch, where, gpus, name, note, layout):
     monkeypatch.setenv(_processes.PLACEMENT_ENV, where)
     record = _processes.provenance(2)
     assert record["physical_gpus"] == gpus and record["timing_note"] == note
-    assert record["process_layout"] == _processes.layout(2, where)
+    assert record["process_layout"].startswith(layout)
     assert _processes.stem("bench_x", 2, quick=True) == name  # on CPU: the cpu device tag
 
 
