@@ -10,6 +10,13 @@ constexpr int kWarpsPerCta = kThreads / 32;
 // so that a few hundred warps keep the NVLink round trip of a peer's row busy.
 constexpr int kUnroll = 8;
 constexpr unsigned kFullMask = 0xffffffffu;
+// Receive rows a warp decodes per unit of work. Units are taken from a grid-wide counter, so
+// that SMs done early take more: dealt statically (a group of 32 rows per warp, one per warp at
+// R = 1), the tokens a CTA pulls vary from 64 on average to 84 at most, and the grid waits on it.
+constexpr int kRowsPerUnit = 8;
+// The counter and the CTAs' exit ticket, in this rank's op_scratch (the last CTA out zeroes both).
+constexpr int kScratchNextUnit = 0;
+constexpr int kScratchCtasDone = 1;
 constexpr int kMailboxX = mailbox_slot(kOpDispatch, 0);
 constexpr int kMailboxTopkW = mailbox_slot(kOpDispatch, 1);
 constexpr int kMailboxDst = mailbox_slot(kOpDispatch, 2);
@@ -182,9 +189,10 @@ __device__ void pull_token(const DispatchParams& p, const Sources& s, int32_t pr
   }
 }
 
-// Receiver side, between the entry and the exit barrier, one pass: a warp reads the plan of 32
-// receive rows at once (one per lane), zeroes the rows no entry owns (recv_x and recv_w), then
-// pulls each primary row's token and writes it to the primary and its duplicate rows.
+// Receiver side, between the entry and the exit barrier, one pass: a warp takes units of
+// kRowsPerUnit receive rows, reads their plan at once (one row per lane), zeroes the rows no
+// entry owns (recv_x and recv_w), then pulls each primary row's token and writes it to the
+// primary and its duplicate rows.
 template <typename Vec>
 __global__ void __launch_bounds__(kThreads, 2)
     dispatch_pull_kernel(const __grid_constant__ DispatchParams p) {
@@ -199,13 +207,18 @@ __global__ void __launch_bounds__(kThreads, 2)
   check_own_destinations(p);
 
   const int lane = threadIdx.x % 32;
-  const int num_warps = gridDim.x * kWarpsPerCta;
-  for (int row0 = (blockIdx.x * kWarpsPerCta + threadIdx.x / 32) * 32; row0 < p.nvs;
-       row0 += num_warps * 32) {
+  int32_t* scratch = own_area(p.group)->op_scratch;
+  const int num_units = (p.nvs + kRowsPerUnit - 1) / kRowsPerUnit;
+  for (;;) {
+    int unit = 0;
+    if (lane == 0) unit = atomicAdd(&scratch[kScratchNextUnit], 1);
+    unit = __shfl_sync(kFullMask, unit, 0);
+    if (unit >= num_units) break;
+    const int32_t row0 = unit * kRowsPerUnit;
     const int32_t row = row0 + lane;
     Owner o{-1, 0};
-    RowAction action = kByPrimary;  // lanes past the last row: nothing to do
-    if (row < p.nvs) {
+    RowAction action = kByPrimary;  // lanes past the unit or the last row: nothing to do
+    if (lane < kRowsPerUnit && row < p.nvs) {
       o = owner_of(p, row);
       action = row_action(p, s, row, o);
       if (action == kZero) p.recv_w[row] = 0.0f;
@@ -218,6 +231,14 @@ __global__ void __launch_bounds__(kThreads, 2)
       const Owner oi{__shfl_sync(kFullMask, o.src, i), __shfl_sync(kFullMask, o.entry, i)};
       pull_token<Vec>(p, s, row0 + i, oi, lane);
     }
+  }
+  // Every warp of a CTA has stopped taking units when its thread 0 takes the exit ticket, so the
+  // last CTA out may zero the counter for the next call (which the kernel boundary orders).
+  __syncthreads();
+  if (threadIdx.x == 0 &&
+      atomicAdd(&scratch[kScratchCtasDone], 1) == static_cast<int>(gridDim.x) - 1) {
+    scratch[kScratchNextUnit] = 0;
+    scratch[kScratchCtasDone] = 0;
   }
 }
 
