@@ -5,7 +5,6 @@ namespace moonep {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kWarpsPerCta = kThreads / 32;
 // Vectors each lane loads before it stores them: 8 x 16 bytes in flight per lane, 4 KiB per warp,
 // so that a few hundred warps keep the NVLink round trip of a peer's row busy.
 constexpr int kUnroll = 8;
@@ -14,7 +13,8 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // that SMs done early take more: dealt statically (a group of 32 rows per warp, one per warp at
 // R = 1), the tokens a CTA pulls vary from 64 on average to 84 at most, and the grid waits on it.
 constexpr int kRowsPerUnit = 8;
-// The counter and the CTAs' exit ticket, in this rank's op_scratch (the last CTA out zeroes both).
+// The counter and the CTAs' exit ticket, in this rank's op_scratch (the last CTA out zeroes both:
+// the ticket in last_cta_done).
 constexpr int kScratchNextUnit = 0;
 constexpr int kScratchCtasDone = 1;
 constexpr int kMailboxX = mailbox_slot(kOpDispatch, 0);
@@ -232,13 +232,10 @@ __global__ void __launch_bounds__(kThreads, 2)
       pull_token<Vec>(p, s, row0 + i, oi, lane);
     }
   }
-  // Every warp of a CTA has stopped taking units when its thread 0 takes the exit ticket, so the
-  // last CTA out may zero the counter for the next call (which the kernel boundary orders).
-  __syncthreads();
-  if (threadIdx.x == 0 &&
-      atomicAdd(&scratch[kScratchCtasDone], 1) == static_cast<int>(gridDim.x) - 1) {
+  // Every warp of a CTA has stopped taking units when it takes the exit ticket, so the last CTA
+  // out may zero the counter for the next call (which the kernel boundary orders).
+  if (last_cta_done(&scratch[kScratchCtasDone], false) && threadIdx.x == 0) {
     scratch[kScratchNextUnit] = 0;
-    scratch[kScratchCtasDone] = 0;
   }
 }
 

@@ -89,38 +89,6 @@ __device__ __forceinline__ Scratch scratch_of(const GroupView& g) {
                  s + kAllocCumOff,    s + kRowShiftOff,    s + kCountersOff};
 }
 
-__device__ __forceinline__ uint32_t atom_add_acq_rel_gpu(uint32_t* p, uint32_t v) {
-  uint32_t old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
-               : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
-
-// Called by every thread of every CTA of the grid: whether this CTA is the last one to get here.
-// The last CTA resets the ticket: no CTA of this grid takes one any more, and the next call's
-// kernels start after this grid has ended.
-//
-// With peers (`system_scope`), every thread's earlier writes, peer stores included, are fenced at
-// system scope before its CTA takes the ticket, so the last CTA sees them, and a barrier it then
-// passes publishes them to the peers (kernels/transport.cuh::barrier). A group of one writes only
-// to this GPU: __syncthreads orders the CTA's writes before thread 0's gpu-scope acq_rel ticket,
-// and thread 0's acquire and the __syncthreads after it order the last CTA's reads, the pattern
-// of cooperative groups' grid sync, so no thread needs a fence of its own.
-__device__ bool last_cta_done(int32_t* ticket, bool system_scope) {
-  __shared__ bool last;
-  if (system_scope) __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    uint32_t* t = reinterpret_cast<uint32_t*>(ticket);
-    last = atom_add_acq_rel_gpu(t, 1u) + 1u == gridDim.x;
-    if (last) *t = 0;
-  }
-  __syncthreads();
-  // With peers, every thread of the last CTA also fences before it reads (after the acquire).
-  if (last && system_scope) __threadfence();
-  return last;
-}
-
 __device__ __forceinline__ int warp_inclusive_sum(int v) {
   const int lane = threadIdx.x & 31;
   for (int d = 1; d < 32; d <<= 1) {
