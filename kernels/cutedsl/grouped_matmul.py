@@ -55,7 +55,8 @@ forward at the R=2 maxvio 1 plan: 29 GB read from DRAM for 11 GB of weights, L2 
 of dense). Earlier, 128 x 256 tiles had taken two M tiles for the ~170-row groups of a 384-expert
 plan (bench_gemm gate_up forward at maxvio 0.2: 45 % of dense, 52 % with 256 x 128, 64-68 % once a
 warp group also skipped its empty 64-row blocks). dW tiles D0 by 256 (`DW_TILE_M`): its K is the
-group's rows, and its epilogue stages a bf16 tile in shared memory next to 3 pipeline stages.
+group's rows, taken 32 at a time (`DW_TILE_K`), and its epilogue stages a bf16 tile in shared
+memory next to 6 pipeline stages (3 with 64-deep K tiles, 3-9 % slower on bench_gemm's groupings).
 """
 
 import cuda.bindings.driver as cuda
@@ -68,8 +69,11 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 # M x N x K tiles. Ragged M (forward, dX) takes 384 rows: a real plan's groups hold ~S*K*R/E rows
 # (~340 at EP=2), so one tile covers a whole group and its weights stream from memory once per N
-# tile (see the module docstring). dW tiles D0 by 256 (its epilogue stages a tile in shared memory).
-TILE_M, DW_TILE_M, TILE_N, TILE_K = 384, 256, 128, 64
+# tile (see the module docstring). dW tiles D0 by 256 (its epilogue stages a tile in shared memory)
+# and K by 32: its stages hold both operands, and 64-deep ones (48 KB) left room for 3 beside the
+# epilogue's tile; 32-deep ones give 6 (bench_gemm, every grouping: dW 3-9 % faster; the ragged-M
+# kernels, whose ring already holds 14 slots, ran 7-14 % slower with 32, so they keep 64).
+TILE_M, DW_TILE_M, TILE_N, TILE_K, DW_TILE_K = 384, 256, 128, 64, 32
 # Ragged M loads A in 128-row chunks, each into a slot of its own, and skips the chunks past the
 # group's end: a tile of a small group would otherwise pull 384 rows of A through L2 for each K
 # tile, and take the shared memory of a full tile.
@@ -292,11 +296,11 @@ class GroupedMatmul:
         matrices of slots without rows unwritten; `num_ctas` persistent CTAs share the
         (matrix, M tile, N tile) work items.
         """
-        self._setup(a, b, (DW_TILE_M, TILE_N, TILE_K),
-                    stage_bytes=(DW_TILE_M + TILE_N) * TILE_K * a.element_type.width // 8,
+        self._setup(a, b, (DW_TILE_M, TILE_N, DW_TILE_K),
+                    stage_bytes=(DW_TILE_M + TILE_N) * DW_TILE_K * a.element_type.width // 8,
                     reserved_bytes=DW_TILE_M * TILE_N * a.element_type.width // 8)
-        tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (DW_TILE_M, TILE_K))
-        tma_b, tma_tensor_b = self._tma_load(b, self.b_smem_staged, (TILE_N, TILE_K))
+        tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (DW_TILE_M, DW_TILE_K))
+        tma_b, tma_tensor_b = self._tma_load(b, self.b_smem_staged, (TILE_N, DW_TILE_K))
         # The bf16 tiles of dw_local leave through shared memory and a TMA store, so that the
         # consumers go on to the next tile's MMAs while the store drains (their register
         # stores used to stall them for every tile: dW items have only ~6 K tiles each).
@@ -340,11 +344,11 @@ class GroupedMatmul:
             if mat >= num_local:
                 if num_rows == 0:
                     has_work = 0
-        gA = cute.local_tile(cute.domain_offset((0, row_start), mA), (DW_TILE_M, TILE_K),
+        gA = cute.local_tile(cute.domain_offset((0, row_start), mA), (DW_TILE_M, DW_TILE_K),
                              (m_tile, None))
-        gB = cute.local_tile(cute.domain_offset((0, row_start), mB), (TILE_N, TILE_K),
+        gB = cute.local_tile(cute.domain_offset((0, row_start), mB), (TILE_N, DW_TILE_K),
                              (n_tile, None))
-        return (has_work, mat, m_tile, n_tile, num_rows, cute.ceil_div(num_rows, TILE_K), gA,
+        return (has_work, mat, m_tile, n_tile, num_rows, cute.ceil_div(num_rows, DW_TILE_K), gA,
                 gB)
 
     @cute.kernel
@@ -518,8 +522,8 @@ class GroupedMatmul:
         num_k_blocks = cute.size(tCrA, mode=[2])
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
             ab_pipeline.consumer_wait(read)
-            if (k_tile + 1) * TILE_K > valid_k:
-                self.zero_k_tail(sA, sB, read.index, valid_k - k_tile * TILE_K, thread)
+            if (k_tile + 1) * DW_TILE_K > valid_k:
+                self.zero_k_tail(sA, sB, read.index, valid_k - k_tile * DW_TILE_K, thread)
             cute.nvgpu.warpgroup.fence()
             for k_block in cutlass.range_constexpr(num_k_blocks):
                 coord = (None, None, k_block, read.index)
@@ -625,7 +629,7 @@ class GroupedMatmul:
     @cute.jit
     def zero_columns(self, s: cute.Tensor, rows: cutlass.Constexpr[int], stage: cutlass.Int32,
                      first_invalid_k: cutlass.Int32, thread: cutlass.Int32):
-        """Zero columns `>= first_invalid_k` of an MN-major `[rows, TILE_K]` stage, 16 bytes per
+        """Zero columns `>= first_invalid_k` of an MN-major `[rows, DW_TILE_K]` stage, 16 bytes per
         store: the 128-byte swizzle permutes whole 16-byte chunks, so 8 consecutive rows of one
         column stay one aligned chunk (a scalar store per element cost ~2 us per dW item)."""
         vector = 128 // self.ab_dtype.width
@@ -637,7 +641,7 @@ class GroupedMatmul:
         chunks_per_column = rows // vector
         # c enumerates (chunk, k) with the chunk fastest, so the invalid columns start at k * chunks.
         for c in cutlass.range(first_invalid_k * chunks_per_column + thread,
-                               TILE_K * chunks_per_column, NUM_CONSUMER_THREADS, unroll=1):
+                               DW_TILE_K * chunks_per_column, NUM_CONSUMER_THREADS, unroll=1):
             cute.copy(chunk_store, zeros,
                       chunks[(None, (c % chunks_per_column, c // chunks_per_column))])
 
