@@ -55,8 +55,8 @@ forward at the R=2 maxvio 1 plan: 29 GB read from DRAM for 11 GB of weights, L2 
 of dense). Earlier, 128 x 256 tiles had taken two M tiles for the ~170-row groups of a 384-expert
 plan (bench_gemm gate_up forward at maxvio 0.2: 45 % of dense, 52 % with 256 x 128, 64-68 % once a
 warp group also skipped its empty 64-row blocks). dW tiles D0 by 256 (`DW_TILE_M`): its K is the
-group's rows, taken 32 at a time (`DW_TILE_K`), and its epilogue stages a bf16 tile in shared
-memory next to 6 pipeline stages (3 with 64-deep K tiles, 3-9 % slower on bench_gemm's groupings).
+group's rows, taken 32 at a time (`DW_TILE_K`, see there why), and its epilogue stages a bf16 tile
+in shared memory next to 6 pipeline stages.
 """
 
 import cuda.bindings.driver as cuda
@@ -303,7 +303,7 @@ class GroupedMatmul:
         tma_b, tma_tensor_b = self._tma_load(b, self.b_smem_staged, (TILE_N, DW_TILE_K))
         # The bf16 tiles of dw_local leave through shared memory and a TMA store, so that the
         # consumers go on to the next tile's MMAs while the store drains (their register
-        # stores used to stall them for every tile: dW items have only ~6 K tiles each).
+        # stores used to stall them for every tile: a dW item's K is one group's ~340 rows).
         self.c_smem_staged = sm90_utils.make_smem_layout_epi(
             self.ab_dtype, utils.LayoutEnum.ROW_MAJOR, (DW_TILE_M, TILE_N), 1)
         tma_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
