@@ -270,13 +270,13 @@ class GroupedMatmul:
                     first_row)
                 # Store rows [row_start, row_end) of this tile, chunk by chunk; columns < N
                 # (and < D0 for dX).
-                cC = cute.local_tile(cute.make_identity_tensor(mC.shape), (A_CHUNK_M, TILE_N),
-                                     (0, n_tile))
                 for c in cutlass.range_constexpr(A_CHUNKS):
                     gC = cute.local_tile(cute.domain_offset((row_start + c * A_CHUNK_M, 0), mC),
                                          (A_CHUNK_M, TILE_N), (0, n_tile))
-                    self.store(tiled_mma, thread, accumulators[c], gC, cC,
-                               row_end - row_start - c * A_CHUNK_M, cute.size(mC, mode=[1]))
+                    self.store_segments(tiled_mma, thread, accumulators[c], gC,
+                                        (A_CHUNK_M, TILE_N),
+                                        row_end - row_start - c * A_CHUNK_M,
+                                        cute.size(mC, mode=[1]) - n_tile * TILE_N)
 
     # ---- ragged K: dW -------------------------------------------------------------------------
 
@@ -649,10 +649,8 @@ class GroupedMatmul:
     def store(self, tiled_mma: cute.TiledMma, thread: cutlass.Int32, accumulators: cute.Tensor,
               gC: cute.Tensor, cC: cute.Tensor, row_limit: cutlass.Int32,
               col_limit: cutlass.Int32):
-        """Store the accumulators to `gC` where the coordinate in `cC` is below the limits.
-
-        Ragged M passes tile-relative rows (`cC` of tile 0) and the group's rows left in the tile;
-        dW passes absolute coordinates and the matrix shape.
+        """Store the accumulators to `gC` where the coordinate in `cC` is below the limits (dW:
+        absolute coordinates and the matrix shape, or the staged tile's own).
 
         A thread's WGMMA accumulators come in pairs of adjacent columns; each pair is stored with
         one vector store (64-bit fp32, 32-bit bf16) instead of two scalar ones. Pairs are aligned
@@ -672,6 +670,53 @@ class GroupedMatmul:
             if row < row_limit and col < col_limit:
                 cute.copy(pair_store, tCrC[(None, j)], tCgC[(None, j)])
 
+    @cute.jit
+    def store_segments(self, tiled_mma: cute.TiledMma, thread: cutlass.Int32,
+                       accumulators: cute.Tensor, tile: cute.Tensor, tile_mn: cutlass.Constexpr,
+                       row_limit: cutlass.Int32, col_limit: cutlass.Int32):
+        """Store the accumulators, rounded to bf16, to `tile` (a `tile_mn` tile of global memory)
+        where the tile-relative row and column are below the limits, 16 bytes per store.
+
+        A thread's WGMMA accumulators hold, per row, one pair of adjacent columns in each 8-column
+        block (`2 * (lane % 4)` into it), so a row's 16-byte segment is spread over a quad of
+        lanes. Per row and 4 consecutive blocks the quad transposes its 4 x 4 bf16 pairs (lane c
+        gathers block c), and each lane stores one whole segment: a quarter of the store
+        instructions of pair stores (whose issue kept the tensor cores idle in the epilogue:
+        11-13 % of the forward's stall samples, ncu; bench_gemm: forward and dX 1-5 % faster).
+        A segment never straddles a limit: column limits are multiples of 8 elements
+        (`ALIGN_ELEMS`, checked by the launchers). dW's staged bf16 tile keeps pair stores into
+        its swizzled shared memory: segments there made dW 1-9 % slower.
+        """
+        thr_mma = tiled_mma.get_slice(thread)
+        # Pairs of the thread: pair v + 2 * b + 2 * blocks * m is row half v of column block b of
+        # the m-th ATOM_M-row block (the register order of WGMMA accumulators).
+        tCcC = cute.zipped_divide(
+            thr_mma.partition_C(cute.make_identity_tensor(tile_mn)), (2,))
+        values = cute.make_rmem_tensor(accumulators.shape, tile.element_type)
+        values.store(accumulators.load().to(tile.element_type))
+        pairs = cute.recast_tensor(values, cutlass.Int32)
+        segment_elems = 128 // tile.element_type.width
+        blocks = TILE_N // segment_elems
+        segments = cute.zipped_divide(tile, (1, segment_elems))  # ((1, 8), (rows, segments))
+        segment = cute.make_rmem_tensor(cute.make_layout(((1, segment_elems),)), tile.element_type)
+        segment_pairs = cute.recast_tensor(segment, cutlass.Int32)
+        segment_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), tile.element_type,
+                                            num_bits_per_copy=128)
+        quad_lane = thread % QUAD
+        for row_slot in cutlass.range_constexpr(cute.size(pairs) // blocks):
+            row_pair = row_slot % 2 + (row_slot // 2) * 2 * blocks
+            for quarter in cutlass.range_constexpr(blocks // QUAD):
+                first_pair = row_pair + 2 * QUAD * quarter
+                gathered = quad_transpose(
+                    [pairs[first_pair + 2 * block] for block in range(QUAD)], quad_lane)
+                for i in cutlass.range_constexpr(QUAD):
+                    segment_pairs[i] = gathered[i]
+                row, col = tCcC[(0, first_pair)]
+                # Lane c's pair sat 2c into its block; its segment is block c of the four.
+                col = col + (segment_elems - 2) * quad_lane
+                if row < row_limit and col < col_limit:
+                    cute.copy(segment_store, segment,
+                              segments[(None, (row, col // segment_elems))])
 
     @cute.jit
     def store_through_shared(self, tiled_mma: cute.TiledMma, thread: cutlass.Int32,
@@ -698,6 +743,27 @@ class GroupedMatmul:
                 cute.zipped_divide(gC, (DW_TILE_M, TILE_N)))
             cute.copy(tma_c, sC_for_tma[(None, 0)], gC_for_tma[(None, 0)])
             c_stores.producer_commit()
+
+
+QUAD = 4  # lanes of a WGMMA accumulator row (each holds 2 of every 8 columns)
+
+
+@cute.jit
+def quad_transpose(m, quad_lane: cutlass.Int32):
+    """Transpose a 4 x 4 matrix of 32-bit values held by the 4 lanes of each quad, lane c holding
+    row c as `m`: lane c returns column c. Two butterfly stages (lane bit 2, then 1), each
+    swapping that bit between lane and position: a lane sends the entry whose position bit
+    differs from its lane bit and takes its partner's in its place."""
+    m = list(m)
+    for lane_bit in (2, 1):
+        upper = (quad_lane & lane_bit) != 0
+        for lo in [p for p in range(QUAD) if p & lane_bit == 0]:
+            hi = lo + lane_bit
+            sent = cutlass.Int32(cutlass.select_(upper, m[lo], m[hi]))
+            got = cute.arch.shuffle_sync_bfly(sent, offset=lane_bit)
+            m[lo] = cutlass.Int32(cutlass.select_(upper, got, m[lo]))
+            m[hi] = cutlass.Int32(cutlass.select_(upper, m[hi], got))
+    return m
 
 
 # ---- ahead-of-time compilation ------------------------------------------------------------------
