@@ -20,8 +20,11 @@ constexpr int32_t kDropped = INT32_MIN;
 
 // Grouped-GEMM tile-table kinds and columns, read by the CuTe DSL kernels. kKindOverflow is
 // C++ only: it marks a segment of a peer's expert, which goes to the overflow table.
-constexpr int32_t kKindLocal = 0, kKindSlot = 1, kKindZero = 2, kKindUnused = 3;
-constexpr int32_t kKindOverflow = 4;
+constexpr int32_t kKindLocal = 0, kKindSlot = 1, kKindZero = 2;
+constexpr int32_t kKindOverflow = 3;
 constexpr int kTableColumns = 4;
+// Columns of the schedule row that follows the CuTe tile table: its used entries (the ragged-M
+// kernels' work items end there) and the next work item, which the persistent CTAs take in turn.
+constexpr int32_t kScheduleTiles = 0, kScheduleNextItem = 1;
 
 }  // namespace moonep

@@ -23,7 +23,9 @@ constexpr int kMailboxWLocal = mailbox_slot(kOpGroupedMatmul, 0);
 // ---- Tile tables: one entry per M tile of every group, then the zero tail -----------------------
 // CuTe table entry i = (kind, row_start, row_end, mat). Segment s < G is group s, segment G the
 // rows past cu_seqlens[G-1]. Ends are clamped to [start, num_rows] so a corrupt plan never writes
-// outside. Overflow table (when `overflow_table` is not null): row 0 = (count, 0, 0, 0), row 1 + i
+// outside. Schedule row: (used entries, next work item = 0, 0, 0), see kernels/constants.h; it is
+// written here because this kernel runs before every GEMM launch, so the item counter starts at 0
+// in every call, also replayed from a CUDA graph. Overflow table (when `overflow_table` is not null): row 0 = (count, 0, 0, 0), row 1 + i
 // = (row_start, row_end, home rank, local expert index) of overflow tile i.
 __device__ void segment_of(const int32_t* cu_seqlens, int32_t num_groups, int32_t num_experts,
                            int32_t first_local, int32_t num_local, int32_t num_rows, bool overflow,
@@ -83,7 +85,7 @@ __global__ void __launch_bounds__(kTableThreads)
                                      int32_t num_groups, int32_t num_local, int32_t num_slots,
                                      int32_t num_rows, int32_t max_tiles,
                                      int32_t max_overflow_tiles, int32_t* table,
-                                     int32_t* overflow_table) {
+                                     int32_t* schedule, int32_t* overflow_table) {
   __shared__ int32_t partial[kTableThreads];
   __shared__ int32_t partial_overflow[kTableThreads];
   const bool overflow = overflow_table != nullptr;
@@ -122,8 +124,12 @@ __global__ void __launch_bounds__(kTableThreads)
       }
     }
   }
-  for (int32_t t = total + threadIdx.x; t < max_tiles; t += kTableThreads)
-    write_entry(table, t, kKindUnused, 0, 0, 0);
+  if (threadIdx.x == 0) {
+    int32_t row[kTableColumns] = {};
+    row[kScheduleTiles] = min(total, max_tiles);
+    row[kScheduleNextItem] = 0;
+    write_entry(schedule, 0, row[0], row[1], row[2], row[3]);
+  }
   if (overflow && threadIdx.x == 0)
     write_entry(overflow_table, 0, min(total_overflow, max_overflow_tiles), 0, 0, 0);
 }
@@ -394,11 +400,11 @@ cudaError_t launch_grouped_matmul(const GroupedMatmulParams& p, cudaStream_t str
   const int32_t max_tiles = grouped_matmul_max_tiles(p.num_rows, p.num_groups);
   const int32_t max_overflow_tiles =
       grouped_matmul_max_tiles(p.num_rows, p.num_groups, kGroupedMatmulOverflowTileM);
-  int32_t* overflow_table =
-      p.overflow ? p.tile_table + static_cast<int64_t>(max_tiles) * kTableColumns : nullptr;
+  int32_t* schedule = p.tile_table + static_cast<int64_t>(max_tiles) * kTableColumns;
+  int32_t* overflow_table = p.overflow ? schedule + kTableColumns : nullptr;
   grouped_matmul_tile_table_kernel<<<1, kTableThreads, 0, stream>>>(
       p.cu_seqlens, p.ep_rank, p.num_groups, p.num_local, p.num_slots, p.num_rows, max_tiles,
-      max_overflow_tiles, p.tile_table, overflow_table);
+      max_overflow_tiles, p.tile_table, schedule, overflow_table);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (p.overflow) {
     // Peers read this rank's w_local (in place) from here until the exit rendezvous.
@@ -419,8 +425,9 @@ cudaError_t launch_grouped_matmul(const GroupedMatmulParams& p, cudaStream_t str
         matrices<moonep_grouped_matmul_Tensor_b_slots_t>(p.w_slots, p.num_slots, p.d0, p.d1, true);
     auto c = matrix<moonep_grouped_matmul_Tensor_c_t>(p.out, p.num_rows, p.d1, false);
     moonep_grouped_matmul_Tensor_tile_table_t table = {p.tile_table, {max_tiles}};
+    moonep_grouped_matmul_Tensor_schedule_t schedule_row = {schedule};
     status = cute_dsl_moonep_grouped_matmul_wrapper(fwd_module().get(), &a, &b_local, &b_slots, &c,
-                                                    &table, ctas, stream);
+                                                    &table, &schedule_row, ctas, stream);
   } else {
     // B = W^T in (N, K) orientation: (D0, D1, mats).
     auto a = matrix<moonep_grouped_matmul_dx_Tensor_a_t>(p.in, p.num_rows, p.d1, false);
@@ -430,8 +437,9 @@ cudaError_t launch_grouped_matmul(const GroupedMatmulParams& p, cudaStream_t str
                                                                        p.d1, false);
     auto c = matrix<moonep_grouped_matmul_dx_Tensor_c_t>(p.out, p.num_rows, p.d0, false);
     moonep_grouped_matmul_dx_Tensor_tile_table_t table = {p.tile_table, {max_tiles}};
+    moonep_grouped_matmul_dx_Tensor_schedule_t schedule_row = {schedule};
     status = cute_dsl_moonep_grouped_matmul_dx_wrapper(dx_module().get(), &a, &b_local, &b_slots,
-                                                       &c, &table, ctas, stream);
+                                                       &c, &table, &schedule_row, ctas, stream);
   }
   if (status != 0) return static_cast<cudaError_t>(status);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;

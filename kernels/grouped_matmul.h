@@ -26,14 +26,15 @@ inline int32_t grouped_matmul_max_tiles(int32_t num_rows, int32_t num_groups,
 }
 
 // Rows of the `[rows, kTableColumns]` int32 tile-table scratch of the ragged-M kernels: the CuTe
-// tile table, then, when overflow groups are possible, the overflow table (a count row, then one
-// entry per overflow tile of kGroupedMatmulOverflowTileM rows). Python reads it from the extension
-// (moonep_jax/_cuda/grouped_matmul.py), so the two never disagree.
+// tile table, its schedule row (kernels/constants.h), then, when overflow groups are possible, the
+// overflow table (a count row, then one entry per overflow tile of kGroupedMatmulOverflowTileM
+// rows). Python reads it from the extension (moonep_jax/_cuda/grouped_matmul.py), so the two
+// never disagree.
 inline int32_t grouped_matmul_table_rows(int32_t num_rows, int32_t num_groups, bool overflow) {
-  const int32_t tiles = grouped_matmul_max_tiles(num_rows, num_groups);
-  return overflow ? tiles + 1 +
+  const int32_t rows = grouped_matmul_max_tiles(num_rows, num_groups) + 1;
+  return overflow ? rows + 1 +
                         grouped_matmul_max_tiles(num_rows, num_groups, kGroupedMatmulOverflowTileM)
-                  : tiles;
+                  : rows;
 }
 
 enum class GroupedMatmulOp { kForward, kDx };

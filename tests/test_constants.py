@@ -41,8 +41,8 @@ def test_config_constants_equal_the_extensions():
 def test_cutedsl_tile_table_constants_equal_the_extensions():
     dsl = module_constants(REPO / "kernels" / "cutedsl" / "grouped_matmul.py")
     exported = dict(_ffi.lib().GROUPED_MATMUL_TABLE_CONSTANTS)
-    assert exported.keys() == {"KIND_LOCAL", "KIND_SLOT", "KIND_ZERO", "KIND_UNUSED",
-                               "TABLE_COLUMNS"}
+    assert exported.keys() == {"KIND_LOCAL", "KIND_SLOT", "KIND_ZERO", "TABLE_COLUMNS",
+                               "SCHEDULE_TILES", "SCHEDULE_NEXT_ITEM"}
     assert {name: dsl[name] for name in exported} == exported
     assert dsl["TILE_M"] == _ffi.lib().GROUPED_MATMUL_TILE_M
 

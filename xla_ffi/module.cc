@@ -77,8 +77,9 @@ PYBIND11_MODULE(_moonep_jax_cuda, m) {
   table_kinds["KIND_LOCAL"] = moonep::kKindLocal;
   table_kinds["KIND_SLOT"] = moonep::kKindSlot;
   table_kinds["KIND_ZERO"] = moonep::kKindZero;
-  table_kinds["KIND_UNUSED"] = moonep::kKindUnused;
   table_kinds["TABLE_COLUMNS"] = moonep::kTableColumns;
+  table_kinds["SCHEDULE_TILES"] = moonep::kScheduleTiles;
+  table_kinds["SCHEDULE_NEXT_ITEM"] = moonep::kScheduleNextItem;
   m.attr("GROUPED_MATMUL_TABLE_CONSTANTS") = table_kinds;
   moonep::register_transport_bindings(m);
 }

@@ -10,8 +10,8 @@ Three exported kernels share one CTA program (`GroupedMatmul`):
 
 Ragged M: a tile table `[T, TABLE_COLUMNS] int32` (built on the device by kernels/grouped_matmul.cu)
 gives, per M tile, `(kind, row_start, row_end, mat)`: kind 0 multiplies rows `[row_start, row_end)`
-by `w_local[mat]`, kind 1 by `w_slots[mat]`, kind 2 writes zeros (rows past `cu_seqlens[-1]`), kind
-3 is an unused table entry. A tile loads, with TMA, the 128-row chunks of its `TILE_M` rows from
+by `w_local[mat]`, kind 1 by `w_slots[mat]`, kind 2 writes zeros (rows past `cu_seqlens[-1]`). Its
+schedule row says how many of the T entries the plan uses (the rest are never read). A tile loads, with TMA, the 128-row chunks of its `TILE_M` rows from
 `row_start` that hold rows of its group (the last one also rows of the next group, or zeros past the
 end), and its stores are masked to `[row_start, row_end)`, so a tile only ever writes rows of its
 own group. Weights are never concatenated: `w_local [epn, D0, D1]` and `w_slots [B, D0, D1]` are
@@ -30,12 +30,13 @@ else in the step touches it. An empty group runs no K tile and writes zeros, exc
 group when `zero_unused_slots` is 0: it writes nothing (moe_ffn never reads an unused slot's
 gradient, and zeroing B = epn fp32 slot matrices costs more than the slots that hold rows).
 
-The CTA program is persistent and warp-specialised: one CTA per SM walks the work items (tiles)
-with a grid stride; warp 0 of warp group 0 (registers given back) issues the TMA loads of every
-item into a multi-stage mbarrier ring and runs ahead into the next item, while warp groups 1 and 2
-(alternate 64-row blocks of the tile each, 64 x TILE_N WGMMAs) consume the stages and store the
-accumulators straight from registers with row/column predicates, so one item's epilogue overlaps
-the next item's loads. In a ragged-M tile a warp group issues WGMMAs only for its blocks that
+The CTA program is persistent and warp-specialised: one CTA per SM walks the work items (tiles;
+dW with a grid stride, ragged M taking each next item from a counter in the tile table's schedule
+row); warp 0 of warp group 0 (registers given back) issues the TMA loads of every item into a
+multi-stage mbarrier ring and runs ahead into the next item, while warp groups 1 and 2 (alternate
+64-row blocks of the tile each, 64 x TILE_N WGMMAs) consume the stages and store the accumulators
+straight from registers with row/column predicates, so one item's epilogue overlaps the next
+item's loads. In a ragged-M tile a warp group issues WGMMAs only for its blocks that
 hold rows of the group (a separate K loop per block count; an idle warp group only releases the
 stages), so a group's last tile costs MMAs for its rows rounded up to 64.
 
@@ -82,8 +83,12 @@ A_CHUNKS = TILE_M // A_CHUNK_M  # chunks of a ragged-M tile
 ATOM_M = 64  # rows of one WGMMA; the two consumer warp groups own the two halves of a chunk
 # Tile table columns and kinds (the C++ copies are in kernels/constants.h; tests/test_constants.py
 # holds the two equal).
-KIND_LOCAL, KIND_SLOT, KIND_ZERO, KIND_UNUSED = 0, 1, 2, 3
+KIND_LOCAL, KIND_SLOT, KIND_ZERO = 0, 1, 2
 TABLE_COLUMNS = 4
+# Columns of the schedule row (after the table): the table's used entries, the next work item.
+SCHEDULE_TILES, SCHEDULE_NEXT_ITEM = 0, 1
+# Work items the producer warp of a ragged-M CTA hands its consumers ahead (shared-memory ring).
+ITEM_STAGES = 4
 # Each stride and dimension that TMA sees must be a multiple of 16 bytes = 8 bf16.
 ALIGN_ELEMS = 8
 # Warp specialisation: warp group 0 loads (one warp issues TMA), warp groups 1 and 2 compute.
@@ -94,9 +99,9 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 * 40 + 256 * 232 <= 64K registers 
 CONSUMER_BARRIER = 1  # named barrier of the consumer warp groups (0 is __syncthreads)
 
 
-def rows_num_items(c: cute.Tensor, tile_table: cute.Tensor):
-    """Work items of the ragged-M kernels: (table tile, N tile) pairs."""
-    return cute.ceil_div(cute.size(c, mode=[1]), TILE_N) * cute.size(tile_table, mode=[0])
+def rows_num_items(c: cute.Tensor, num_tiles):
+    """Work items of the ragged-M kernels: (table tile, N tile) pairs of `num_tiles` tiles."""
+    return cute.ceil_div(cute.size(c, mode=[1]), TILE_N) * num_tiles
 
 
 @cute.jit
@@ -115,7 +120,7 @@ def weight_grad_num_items(dw_local: cute.Tensor, dw_slots: cute.Tensor):
 
 def persistent_cta():
     """(first work item, item stride, warp-uniform warp index, thread index) of this CTA: CTA
-    `b` of a grid of `g` takes items b, b + g, b + 2g, ..."""
+    `b` of a grid of `g` starts with item b (dW then takes b + g, b + 2g, ...)."""
     first_item, _, _ = cute.arch.block_idx()
     item_stride, _, _ = cute.arch.grid_dim()
     tidx, _, _ = cute.arch.thread_idx()
@@ -156,26 +161,32 @@ class GroupedMatmul:
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), tensor,
             cute.slice_(smem_staged, (None, None, 0)), tile_shape)
 
-    def _shared_storage(self, **buffers):
-        """Shared memory: the pipeline's barriers, then one buffer per keyword, each as large as
-        the cosize of the layout it is given."""
+    def _shared_storage(self, item_ring: bool = False, **buffers):
+        """Shared memory: the pipeline's barriers, with `item_ring` the work-item ring and its
+        barriers, then one buffer per keyword, each as large as the cosize of the layout it is
+        given."""
         def buffer(layout):
             return cute.struct.Align[
                 cute.struct.MemRange[self.ab_dtype, cute.cosize(layout)], self.buffer_align_bytes]
 
-        fields = {"pipeline_barriers": cute.struct.MemRange[cutlass.Int64, self.num_stages * 2],
-                  **{name: buffer(layout) for name, layout in buffers.items()}}
+        fields = {"pipeline_barriers": cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]}
+        if item_ring:
+            fields["item_barriers"] = cute.struct.MemRange[cutlass.Int64, ITEM_STAGES * 2]
+            fields["items"] = cute.struct.MemRange[cutlass.Int32, ITEM_STAGES]
+        fields.update({name: buffer(layout) for name, layout in buffers.items()})
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ---- ragged M: forward and dX ------------------------------------------------------------
 
     @cute.jit
     def rows(self, a: cute.Tensor, b_local: cute.Tensor, b_slots: cute.Tensor, c: cute.Tensor,
-             tile_table: cute.Tensor, num_ctas: cutlass.Int32, stream: cuda.CUstream):
-        """`c[rows of tile] = a[rows] . B_mat^T` for every tile of `tile_table`.
+             tile_table: cute.Tensor, schedule: cute.Tensor, num_ctas: cutlass.Int32,
+             stream: cuda.CUstream):
+        """`c[rows of tile] = a[rows] . B_mat^T` for every used tile of `tile_table`.
 
         `a [M, K]`, `b_* (N, K, mats)` (the weights in (N, K) orientation, one matrix per index
-        of the last mode), `c [M, N]`; `num_ctas` persistent CTAs (one per SM) share the
+        of the last mode), `c [M, N]`; `schedule [TABLE_COLUMNS]` the table's schedule row (its
+        used tiles, and the item counter at 0); `num_ctas` persistent CTAs (one per SM) share the
         (table tile, N tile) work items.
         """
         # Stage s of the ring is one slot: an A chunk (a_smem_staged's view of it) or a B tile
@@ -190,11 +201,11 @@ class GroupedMatmul:
             b_local, self.b_smem_staged, (TILE_N, TILE_K))
         tma_b_slots, tma_tensor_b_slots = self._tma_load(
             b_slots, self.b_smem_staged, (TILE_N, TILE_K))
-        self.shared_storage = self._shared_storage(slots=self.a_smem_staged)
-        num_items = rows_num_items(c, tile_table)
+        self.shared_storage = self._shared_storage(item_ring=True, slots=self.a_smem_staged)
+        num_items = rows_num_items(c, cute.size(tile_table, mode=[0]))
         self.rows_kernel(
             self.tiled_mma, tma_a, tma_tensor_a, tma_b_local, tma_tensor_b_local, tma_b_slots,
-            tma_tensor_b_slots, c, tile_table, self.a_smem_staged, self.b_smem_staged,
+            tma_tensor_b_slots, c, tile_table, schedule, self.a_smem_staged, self.b_smem_staged,
         ).launch(grid=(cutlass.min(num_ctas, num_items), 1, 1), block=(self.num_threads, 1, 1),
                  stream=stream)
 
@@ -211,10 +222,8 @@ class GroupedMatmul:
         row_end = tile_table[table_idx, 2]
         mat = tile_table[table_idx, 3]
         num_k_tiles = cute.ceil_div(cute.size(mA, mode=[1]), TILE_K)
-        if kind >= KIND_ZERO:
+        if kind == KIND_ZERO:
             num_k_tiles = 0
-        if kind == KIND_UNUSED:
-            row_end = row_start
         gA = cute.local_tile(cute.domain_offset((row_start, 0), mA), (A_CHUNK_M, TILE_K),
                              (None, None))
         gB_local = cute.local_tile(mB_local[None, None, mat], (TILE_N, TILE_K), (n_tile, None))
@@ -225,12 +234,15 @@ class GroupedMatmul:
     def rows_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
                     tma_b_local: cute.CopyAtom, mB_local: cute.Tensor,
                     tma_b_slots: cute.CopyAtom, mB_slots: cute.Tensor, mC: cute.Tensor,
-                    tile_table: cute.Tensor, a_slots: cute.ComposedLayout,
+                    tile_table: cute.Tensor, schedule: cute.Tensor, a_slots: cute.ComposedLayout,
                     b_slots: cute.ComposedLayout):
         ab_pipeline, storage = self.make_pipeline()
+        item_pipeline = self.make_item_pipeline(storage)
         sA = storage.slots.get_tensor(a_slots.outer, swizzle=a_slots.inner)
         sB = storage.slots.get_tensor(b_slots.outer, swizzle=b_slots.inner)
-        num_items = rows_num_items(mC, tile_table)
+        sItems = storage.items.get_tensor(cute.make_layout(ITEM_STAGES))
+        # Only the table's used tiles are items: the unused entries past them cost no iteration.
+        num_items = rows_num_items(mC, schedule[SCHEDULE_TILES])
         first_item, item_stride, warp_idx, tidx = persistent_cta()
         if warp_idx < WARPS_PER_GROUP:
             cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
@@ -240,7 +252,18 @@ class GroupedMatmul:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_b_slots)
                 producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                         self.num_stages)
-                for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
+                item_producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                             ITEM_STAGES)
+                # Items are taken, not dealt: after its first one a CTA takes the next untaken
+                # one when its producer gets to it, so a CTA whose items were small takes more.
+                # Dealt round-robin, the tiles of skewed plans (1 to 384 rows) left the most
+                # loaded CTA 4-7 % above the mean (a model of the real plans' items, MMA time
+                # per 128-row chunk; 1 % at maxvio 0.2). Items still start in order, so a table
+                # tile's N tiles run side by side and share its A rows in L2.
+                item = first_item
+                while item < num_items:
+                    next_item = self.take_item(schedule, item_stride)
+                    item_producer = self.hand_item(item_pipeline, item_producer, sItems, item)
                     kind, row_start, row_end, num_k_tiles, gA, gB_local, gB_slots, _ = (
                         self.rows_item(item, mA, mB_local, mB_slots, mC, tile_table))
                     a_chunks = tile_chunks(row_start, row_end)
@@ -250,7 +273,11 @@ class GroupedMatmul:
                     else:
                         producer = self.load_rows(ab_pipeline, producer, tma_a, gA, sA, a_chunks,
                                                   tma_b_local, gB_local, sB, num_k_tiles)
+                    item = next_item
+                # The item past the last tells the consumers to stop.
+                item_producer = self.hand_item(item_pipeline, item_producer, sItems, item)
                 ab_pipeline.producer_tail(producer)
+                item_pipeline.producer_tail(item_producer)
         else:
             cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
             thread = tidx - THREADS_PER_GROUP
@@ -261,7 +288,10 @@ class GroupedMatmul:
             # One accumulator per chunk: this warp group's ATOM_M x TILE_N block of it.
             tCrA, tCrB, accumulators, read, release = self.consumer_setup(
                 tiled_mma, sA, sB, thread, (A_CHUNK_M, TILE_N), A_CHUNKS)
-            for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
+            item_consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                         ITEM_STAGES)
+            item, item_consumer = self.receive_item(item_pipeline, item_consumer, sItems)
+            while item < num_items:
                 kind, row_start, row_end, num_k_tiles, _, _, _, n_tile = self.rows_item(
                     item, mA, mB_local, mB_slots, mC, tile_table)
                 read, release = self.consume_rows(
@@ -277,6 +307,7 @@ class GroupedMatmul:
                                         (A_CHUNK_M, TILE_N),
                                         row_end - row_start - c * A_CHUNK_M,
                                         cute.size(mC, mode=[1]) - n_tile * TILE_N)
+                item, item_consumer = self.receive_item(item_pipeline, item_consumer, sItems)
 
     # ---- ragged K: dW -------------------------------------------------------------------------
 
@@ -448,6 +479,44 @@ class GroupedMatmul:
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
         return ab_pipeline, storage
+
+    @cute.jit
+    def make_item_pipeline(self, storage):
+        """The ring in which the producer warp hands the consumer warp groups their work items:
+        its 32 lanes fill a stage, every consumer thread releases it."""
+        return pipeline.PipelineAsync.create(
+            barrier_storage=storage.item_barriers.data_ptr(), num_stages=ITEM_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     NUM_CONSUMER_THREADS))
+
+    @cute.jit
+    def take_item(self, schedule: cute.Tensor, item_stride: cutlass.Int32):
+        """Producer warp: the next work item of this CTA, the schedule's counter plus the grid
+        (every CTA's first item is its index). Lane 0 takes it; the warp gets it by shuffle."""
+        taken = cutlass.Int32(0)
+        if cute.arch.lane_idx() == 0:
+            taken = cute.arch.atomic_add(schedule.iterator + SCHEDULE_NEXT_ITEM,
+                                         cutlass.Int32(1), sem="relaxed", scope="gpu")
+        return cute.arch.shuffle_sync(taken, 0) + item_stride
+
+    @cute.jit
+    def hand_item(self, item_pipeline, state, sItems: cute.Tensor, item: cutlass.Int32):
+        """Producer warp: put `item` in the next stage of the item ring."""
+        item_pipeline.producer_acquire(state)
+        sItems[state.index] = item
+        item_pipeline.producer_commit(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def receive_item(self, item_pipeline, state, sItems: cute.Tensor):
+        """Consumer thread: the next work item from the item ring."""
+        item_pipeline.consumer_wait(state)
+        item = sItems[state.index]
+        item_pipeline.consumer_release(state)
+        state.advance()
+        return item, state
 
     @cute.jit
     def load(self, ab_pipeline, producer, tma_a: cute.CopyAtom, gA: cute.Tensor,
@@ -670,6 +739,7 @@ class GroupedMatmul:
             if row < row_limit and col < col_limit:
                 cute.copy(pair_store, tCrC[(None, j)], tCgC[(None, j)])
 
+
     @cute.jit
     def store_segments(self, tiled_mma: cute.TiledMma, thread: cutlass.Int32,
                        accumulators: cute.Tensor, tile: cute.Tensor, tile_mn: cutlass.Constexpr,
@@ -793,7 +863,8 @@ def _compile_rows(options: str, weight_stride_order):
     w_local = _bf16((_aligned_dim(), _aligned_dim(), _dim()), weight_stride_order)
     w_slots = _bf16((_aligned_dim(), _aligned_dim(), _dim()), weight_stride_order)
     c = _bf16((_dim(), _aligned_dim()), (1, 0))
-    return cute.compile(gemm.rows, a, w_local, w_slots, c, _table(), cutlass.Int32(1),
+    schedule = make_fake_compact_tensor(cutlass.Int32, (TABLE_COLUMNS,), assumed_align=16)
+    return cute.compile(gemm.rows, a, w_local, w_slots, c, _table(), schedule, cutlass.Int32(1),
                         make_fake_stream(), options=options)
 
 

@@ -35,8 +35,8 @@ def tile_m() -> int:
 
 def table_rows(num_rows: int, num_groups: int, overflow: bool) -> int:
     """Rows of the tile-table scratch (kernels/grouped_matmul.h: grouped_matmul_table_rows): the
-    CuTe table, then with overflow a count row and the overflow table. Asked of the extension, whose kernels
-    fill it."""
+    CuTe table, its schedule row, then with overflow a count row and the overflow table. Asked of
+    the extension, whose kernels fill it."""
     return _ffi.lib().grouped_matmul_table_rows(num_rows, num_groups, overflow)
 
 
