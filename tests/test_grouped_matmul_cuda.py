@@ -90,6 +90,61 @@ def test_grouped_matmul_forward_and_dx_match_fp32_reference(seed, case, num_rows
     _assert_bf16_close(dx, dx_ref)
 
 
+def _expected_tile_table(cu_seqlens, num_rows, tile_m, kinds):
+    """The used entries of the ragged-M tile table, as kernels/grouped_matmul.cu defines them: per
+    segment (each group, then the rows past cu_seqlens[-1]) one (kind, row_start, row_end, mat)
+    per tile_m rows; a group of another rank's expert (bad plan data without overflow) is zeroed."""
+    entries = []
+    ends = list(cu_seqlens) + [num_rows]
+    for s, end in enumerate(ends):
+        start = 0 if s == 0 else ends[s - 1]
+        if s >= NUM_EXPERTS and s < NUM_GROUPS:
+            kind, mat = kinds["KIND_SLOT"], s - NUM_EXPERTS
+        elif RANK * EPN <= s < (RANK + 1) * EPN:
+            kind, mat = kinds["KIND_LOCAL"], s - RANK * EPN
+        else:
+            kind, mat = kinds["KIND_ZERO"], 0
+        entries += [(kind, row, end, mat) for row in range(start, end, tile_m)]
+    return np.array(entries, np.int32).reshape(-1, 4)
+
+
+def test_tile_table_lists_the_plans_tiles_and_every_work_item_is_taken_once(seed):
+    """The forward's tile-table scratch: its used entries are the plan's tiles, and its schedule
+    row holds their count and the work-item counter after the launch, which every CTA's producer
+    takes from until it runs past the last item: it ends at exactly tiles x N tiles (an item taken
+    twice, or one lost, would move it), also after a second launch into a fresh table."""
+    from test_constants import REPO, module_constants
+
+    from moonep_jax import _ffi
+    from moonep_jax._cuda.grouped_matmul import _NO_TRANSPORT, table_rows, tile_m
+
+    tile_n = module_constants(REPO / "kernels" / "cutedsl" / "grouped_matmul.py")["TILE_N"]
+    rng = np.random.default_rng(seed)
+    num_rows, d0, d1 = 6000, 64, 384
+    sizes = _group_sizes(rng, "random", num_rows)
+    sizes[RANK * EPN] += 2 * tile_m() + 5   # a group over three M tiles
+    sizes[0] = 7                            # rows of another rank's expert: zeroed
+    sizes = np.floor(sizes * min(1.0, (num_rows - 3) / sizes.sum())).astype(np.int64)
+    cu_seqlens = np.cumsum(sizes).astype(np.int32)
+    kinds = _ffi.lib().GROUPED_MATMUL_TABLE_CONSTANTS
+    rows = table_rows(num_rows, NUM_GROUPS, False)
+    bf16 = lambda shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+    x, w_local, w_slots = bf16((num_rows, d0)), bf16((EPN, d0, d1)), bf16((EPN, d0, d1))
+    call = jax.jit(lambda *a: jax.ffi.ffi_call("moonep_grouped_matmul", (
+        jax.ShapeDtypeStruct((num_rows, d1), jnp.bfloat16),
+        jax.ShapeDtypeStruct((rows, kinds["TABLE_COLUMNS"]), jnp.int32)))(
+            *a, **_NO_TRANSPORT))
+    expected = _expected_tile_table(cu_seqlens, num_rows, tile_m(), kinds)
+    num_n_tiles = -(-d1 // tile_n)
+    for _ in range(2):
+        _, table = call(x, w_local, w_slots, cu_seqlens, np.array([RANK], np.int32))
+        table = np.asarray(table)
+        schedule = table[rows - 1]
+        assert schedule[kinds["SCHEDULE_TILES"]] == len(expected)
+        np.testing.assert_array_equal(table[:len(expected)], expected)
+        assert schedule[kinds["SCHEDULE_NEXT_ITEM"]] == len(expected) * num_n_tiles
+
+
 def _experts_to_copy(rng, replicated):
     """An `[R, B]` table whose slots on the other rank name exactly this rank's local experts
     `replicated`, and whose slots on this rank name another rank's expert (which must not
