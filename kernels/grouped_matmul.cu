@@ -25,8 +25,9 @@ constexpr int kMailboxWLocal = mailbox_slot(kOpGroupedMatmul, 0);
 // rows past cu_seqlens[G-1]. Ends are clamped to [start, num_rows] so a corrupt plan never writes
 // outside. Schedule row: (used entries, next work item = 0, 0, 0), see kernels/constants.h; it is
 // written here because this kernel runs before every GEMM launch, so the item counter starts at 0
-// in every call, also replayed from a CUDA graph. Overflow table (when `overflow_table` is not null): row 0 = (count, 0, 0, 0), row 1 + i
-// = (row_start, row_end, home rank, local expert index) of overflow tile i.
+// in every call, also replayed from a CUDA graph. Overflow table (when `overflow_table` is not
+// null): row 0 = (count, 0, 0, 0), row 1 + i = (row_start, row_end, home rank, local expert index)
+// of overflow tile i.
 __device__ void segment_of(const int32_t* cu_seqlens, int32_t num_groups, int32_t num_experts,
                            int32_t first_local, int32_t num_local, int32_t num_rows, bool overflow,
                            int32_t s, int32_t& kind, int32_t& start, int32_t& end, int32_t& mat) {
@@ -129,9 +130,8 @@ __global__ void __launch_bounds__(kTableThreads)
     row[kScheduleTiles] = min(total, max_tiles);
     row[kScheduleNextItem] = 0;
     write_entry(schedule, 0, row[0], row[1], row[2], row[3]);
+    if (overflow) write_entry(overflow_table, 0, min(total_overflow, max_overflow_tiles), 0, 0, 0);
   }
-  if (overflow && threadIdx.x == 0)
-    write_entry(overflow_table, 0, min(total_overflow, max_overflow_tiles), 0, 0, 0);
 }
 
 // ---- Inference overflow: tiles of peers' experts, weights read in place over NVLink ------------

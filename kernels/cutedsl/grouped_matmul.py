@@ -11,13 +11,14 @@ Three exported kernels share one CTA program (`GroupedMatmul`):
 Ragged M: a tile table `[T, TABLE_COLUMNS] int32` (built on the device by kernels/grouped_matmul.cu)
 gives, per M tile, `(kind, row_start, row_end, mat)`: kind 0 multiplies rows `[row_start, row_end)`
 by `w_local[mat]`, kind 1 by `w_slots[mat]`, kind 2 writes zeros (rows past `cu_seqlens[-1]`). Its
-schedule row says how many of the T entries the plan uses (the rest are never read). A tile loads, with TMA, the 128-row chunks of its `TILE_M` rows from
-`row_start` that hold rows of its group (the last one also rows of the next group, or zeros past the
-end), and its stores are masked to `[row_start, row_end)`, so a tile only ever writes rows of its
-own group. Weights are never concatenated: `w_local [epn, D0, D1]` and `w_slots [B, D0, D1]` are
-each one rank-3 TMA tensor whose third mode is the matrix, so a K or N tile that runs past D0 or D1
-reads zeros, never the next matrix (which may be an unused slot holding anything, NaN included:
-moe_ffn leaves unused slots unwritten).
+schedule row says how many of the T entries the plan uses (the rest are never read). A tile loads,
+with TMA, the 128-row chunks of its `TILE_M` rows from `row_start` that hold rows of its group (the
+last one also rows of the next group, or zeros past the end), and its stores are masked to
+`[row_start, row_end)`, so a tile only ever writes rows of its own group. Weights are never
+concatenated: `w_local [epn, D0, D1]` and `w_slots [B, D0, D1]` are each one rank-3 TMA tensor
+whose third mode is the matrix, so a K or N tile that runs past D0 or D1 reads zeros, never the
+next matrix (which may be an unused slot holding anything, NaN included: moe_ffn leaves unused
+slots unwritten).
 
 Ragged K (dW): output matrix `j < epn` is local expert `home*epn + j` (group `home*epn + j`),
 `j >= epn` is slot `j - epn` (group `E + j - epn`); the K loop runs over the group's rows. The
@@ -36,9 +37,9 @@ row); warp 0 of warp group 0 (registers given back) issues the TMA loads of ever
 multi-stage mbarrier ring and runs ahead into the next item, while warp groups 1 and 2 (alternate
 64-row blocks of the tile each, 64 x TILE_N WGMMAs) consume the stages and store the accumulators
 straight from registers with row/column predicates, so one item's epilogue overlaps the next
-item's loads. In a ragged-M tile a warp group issues WGMMAs only for its blocks that
-hold rows of the group (a separate K loop per block count; an idle warp group only releases the
-stages), so a group's last tile costs MMAs for its rows rounded up to 64.
+item's loads. In a ragged-M tile a warp group issues WGMMAs only for its blocks that hold rows of
+the group (a separate K loop per block count; an idle warp group only releases the stages), so a
+group's last tile costs MMAs for its rows rounded up to 64.
 
 Ragged-M tiles are 384 x 128 (M x N; each consumer warp group owns one 64-row block of each of the
 three 128-row chunks, 192 fp32 accumulators per thread): a group of up to 384 rows is one M tile, so
@@ -304,7 +305,6 @@ class GroupedMatmul:
                     gC = cute.local_tile(cute.domain_offset((row_start + c * A_CHUNK_M, 0), mC),
                                          (A_CHUNK_M, TILE_N), (0, n_tile))
                     self.store_segments(tiled_mma, thread, accumulators[c], gC,
-                                        (A_CHUNK_M, TILE_N),
                                         row_end - row_start - c * A_CHUNK_M,
                                         cute.size(mC, mode=[1]) - n_tile * TILE_N)
                 item, item_consumer = self.receive_item(item_pipeline, item_consumer, sItems)
@@ -739,13 +739,12 @@ class GroupedMatmul:
             if row < row_limit and col < col_limit:
                 cute.copy(pair_store, tCrC[(None, j)], tCgC[(None, j)])
 
-
     @cute.jit
     def store_segments(self, tiled_mma: cute.TiledMma, thread: cutlass.Int32,
-                       accumulators: cute.Tensor, tile: cute.Tensor, tile_mn: cutlass.Constexpr,
-                       row_limit: cutlass.Int32, col_limit: cutlass.Int32):
-        """Store the accumulators, rounded to bf16, to `tile` (a `tile_mn` tile of global memory)
-        where the tile-relative row and column are below the limits, 16 bytes per store.
+                       accumulators: cute.Tensor, gC: cute.Tensor, row_limit: cutlass.Int32,
+                       col_limit: cutlass.Int32):
+        """Ragged M: store a chunk's accumulators, rounded to bf16, to its `[A_CHUNK_M, TILE_N]`
+        tile `gC` where the tile-relative row and column are below the limits, 16 bytes per store.
 
         A thread's WGMMA accumulators hold, per row, one pair of adjacent columns in each 8-column
         block (`2 * (lane % 4)` into it), so a row's 16-byte segment is spread over a quad of
@@ -758,25 +757,25 @@ class GroupedMatmul:
         its swizzled shared memory: segments there made dW 1-9 % slower.
         """
         thr_mma = tiled_mma.get_slice(thread)
-        # Pairs of the thread: pair v + 2 * b + 2 * blocks * m is row half v of column block b of
-        # the m-th ATOM_M-row block (the register order of WGMMA accumulators).
+        # Pairs of the thread: pair v + 2 * b is row half v (rows 8 apart) of column block b (the
+        # register order of a WGMMA accumulator).
         tCcC = cute.zipped_divide(
-            thr_mma.partition_C(cute.make_identity_tensor(tile_mn)), (2,))
-        values = cute.make_rmem_tensor(accumulators.shape, tile.element_type)
-        values.store(accumulators.load().to(tile.element_type))
+            thr_mma.partition_C(cute.make_identity_tensor((A_CHUNK_M, TILE_N))), (2,))
+        values = cute.make_rmem_tensor(accumulators.shape, gC.element_type)
+        values.store(accumulators.load().to(gC.element_type))
         pairs = cute.recast_tensor(values, cutlass.Int32)
-        segment_elems = 128 // tile.element_type.width
+        segment_elems = 128 // gC.element_type.width
         blocks = TILE_N // segment_elems
-        segments = cute.zipped_divide(tile, (1, segment_elems))  # ((1, 8), (rows, segments))
-        segment = cute.make_rmem_tensor(cute.make_layout(((1, segment_elems),)), tile.element_type)
+        assert cute.size(pairs) == 2 * blocks, "one ATOM_M-row block per warp group and chunk"
+        segments = cute.zipped_divide(gC, (1, segment_elems))  # ((1, 8), (rows, segments))
+        segment = cute.make_rmem_tensor(cute.make_layout(((1, segment_elems),)), gC.element_type)
         segment_pairs = cute.recast_tensor(segment, cutlass.Int32)
-        segment_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), tile.element_type,
+        segment_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), gC.element_type,
                                             num_bits_per_copy=128)
         quad_lane = thread % QUAD
-        for row_slot in cutlass.range_constexpr(cute.size(pairs) // blocks):
-            row_pair = row_slot % 2 + (row_slot // 2) * 2 * blocks
+        for half in cutlass.range_constexpr(2):
             for quarter in cutlass.range_constexpr(blocks // QUAD):
-                first_pair = row_pair + 2 * QUAD * quarter
+                first_pair = half + 2 * QUAD * quarter
                 gathered = quad_transpose(
                     [pairs[first_pair + 2 * block] for block in range(QUAD)], quad_lane)
                 for i in cutlass.range_constexpr(QUAD):
