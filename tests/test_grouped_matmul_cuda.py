@@ -22,6 +22,9 @@ def _group_sizes(rng, case, num_rows):
     if case == "random":
         sizes[active] = rng.integers(0, 2 * num_rows // len(active), len(active))
         sizes[active[1]] = 0
+        # The first and the last slot empty: used slots follow an unused one, and dW's items
+        # must run to the last used slot, not to the number of used ones.
+        sizes[active[EPN]] = 0
         sizes[active[-1]] = 0
     elif case == "giant":
         sizes[active[2]] = num_rows - 5  # one group, tail of 5 zero rows
