@@ -382,6 +382,24 @@ class GroupedMatmul:
         return (has_work, mat, m_tile, n_tile, num_rows, cute.ceil_div(num_rows, DW_TILE_K), gA,
                 gB)
 
+    @cute.jit
+    def weight_grad_consumer_item(self, item: cutlass.Int32, num_items: cutlass.Int32,
+                                  mA: cute.Tensor, mB: cute.Tensor, dw_local: cute.Tensor,
+                                  dw_partial: cute.Tensor, dw_slots: cute.Tensor,
+                                  replica_flags: cute.Tensor, cu_seqlens: cute.Tensor,
+                                  ep_rank: cute.Tensor, zero_unused_slots: cutlass.Int32):
+        """Consumers' work item -> (has_work, mat, m_tile, n_tile, rows, K tiles, to_partial):
+        weight_grad_item's, and whether a local expert's fp32 sum goes to `dw_partial`. An item
+        past the last (the one after a CTA's last) reads the last item's data, in bounds."""
+        has_work, mat, m_tile, n_tile, num_rows, num_k_tiles, _, _ = self.weight_grad_item(
+            cutlass.min(item, num_items - 1), mA, mB, dw_local, dw_slots, cu_seqlens, ep_rank,
+            zero_unused_slots)
+        to_partial = cutlass.Int32(0)
+        if cute.size(dw_partial, mode=[2]) > 0:
+            if mat < cute.size(dw_local, mode=[2]):
+                to_partial = replica_flags[mat]
+        return has_work, mat, m_tile, n_tile, num_rows, num_k_tiles, to_partial
+
     @cute.kernel
     def weight_grad_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
                            tma_b: cute.CopyAtom, mB: cute.Tensor, tma_c: cute.CopyAtom,
@@ -420,7 +438,6 @@ class GroupedMatmul:
             d0 = cute.size(dw_local, mode=[0])
             d1 = cute.size(dw_local, mode=[1])
             num_local = cute.size(dw_local, mode=[2])
-            num_partials = cute.size(dw_partial, mode=[2])
             # One consumer warp issues the TMA stores; bulk-store groups belong to the threads
             # that commit them, so the same warp waits for them.
             storer = warp_idx == WARPS_PER_GROUP
@@ -429,10 +446,16 @@ class GroupedMatmul:
                     pipeline.Agent.Thread, NUM_CONSUMER_THREADS))
             sC_tile = cute.slice_(sC, (None, None, 0))
             cC_tile = cute.make_identity_tensor((DW_TILE_M, TILE_N))
+            # The next item's group (and replica flag) is read while this one multiplies: read on
+            # the way into an item, these loads left the tensor pipes idle between items.
+            has_work, mat, m_tile, n_tile, num_rows, num_k_tiles, to_partial = (
+                self.weight_grad_consumer_item(first_item, num_items, mA, mB, dw_local,
+                                               dw_partial, dw_slots, replica_flags, cu_seqlens,
+                                               ep_rank, zero_unused_slots))
             for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
-                has_work, mat, m_tile, n_tile, num_rows, num_k_tiles, _, _ = (
-                    self.weight_grad_item(item, mA, mB, dw_local, dw_slots, cu_seqlens, ep_rank,
-                                          zero_unused_slots))
+                next_item = self.weight_grad_consumer_item(
+                    item + item_stride, num_items, mA, mB, dw_local, dw_partial, dw_slots,
+                    replica_flags, cu_seqlens, ep_rank, zero_unused_slots)
                 if has_work != 0:
                     read, release = self.consume(ab_pipeline, read, release, tiled_mma, tCrA,
                                                  tCrB, accumulators, sA, sB, num_k_tiles,
@@ -440,9 +463,6 @@ class GroupedMatmul:
                     cC = cute.local_tile(cute.make_identity_tensor((d0, d1)), (DW_TILE_M, TILE_N),
                                          (m_tile, n_tile))
                     if mat < num_local:
-                        to_partial = 0
-                        if num_partials > 0:
-                            to_partial = replica_flags[mat]
                         if to_partial != 0:
                             gC = cute.local_tile(dw_partial[None, None, mat], (DW_TILE_M, TILE_N),
                                                  (m_tile, n_tile))
@@ -457,6 +477,7 @@ class GroupedMatmul:
                         gC = cute.local_tile(dw_slots[None, None, mat - num_local],
                                              (DW_TILE_M, TILE_N), (m_tile, n_tile))
                         self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
+                has_work, mat, m_tile, n_tile, num_rows, num_k_tiles, to_partial = next_item
             if storer:
                 c_stores.producer_tail()
 
