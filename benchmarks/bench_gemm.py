@@ -27,7 +27,8 @@ and in EP=2's layout (576 groups):
 
 Baselines in the same process: dense `jnp.dot` of the same M rows (forward x @ W, dX dy @ W^T,
 dW x^T dy with bf16 and with fp32 output; % of dense compares dW with the dense dW of the dtype
-the kernel writes for the local experts), and
+the kernel writes for the local experts; each timed before and after the projection's grouped
+GEMMs, and % of dense taken at the median over both, `dense_tflops`), and
 `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` (forward; dX with transpose_rhs=True;
 it has no dW) over the non-empty groups only (its grid has one M slot per group, so empty groups
 would cost it whole wasted tiles), best of a small tile-config sweep at R=2 maxvio 1 (MGPU_CONFIGS
@@ -427,28 +428,18 @@ def main():
     write()
     configs = QUICK_MGPU_CONFIGS if args.quick or args.cpu_smoke else MGPU_CONFIGS
     for pi, (proj, (d0, d1)) in enumerate({"gate_up": (h, 2 * f), "down": (f, h)}.items()):
-        # Dense references on rank-sized M (every grouping has M = S*K rows here).
-        x = dy = None
+        # Dense references on rank-sized M (every grouping has M = S*K rows here), timed before
+        # and after the projection's grouped GEMMs; % of dense uses both (dense_tflops).
+        x = dy = dense_operands = None
         dense = {}
         for li, epn in enumerate(sorted({g["epn"] for g in groupings}, reverse=True)):
             # Weight layouts by epn (B = epn): 192 for R=2 at E=384, the synthetic groupings and
             # R=1 at E=192; 48 for R=8.
             layout = [g for g in groupings if g["epn"] == epn]
             x, dy, w_local, w_slots = draw(jax.random.key(10 * pi + li), m, d0, d1, epn)
-            if not dense:
-                flops = 2.0 * m * d0 * d1
-                w = w_local[0]
-                for kind, fn, a in (
-                        ("fwd", jnp.dot, (x, w)), ("dx", lambda a, b: a @ b.T, (dy, w)),
-                        ("dw_bf16", lambda a, b: a.T @ b, (x, dy)),
-                        ("dw_fp32", lambda a, b: jnp.dot(a.T, b,
-                                                         preferred_element_type=jnp.float32),
-                         (x, dy))):
-                    r = measure(f"{proj}/dense_{kind}", jax.jit(fn), a, args.reps, flops,
-                                M=m, kind="dense")
-                    results.append(r)
-                    dense[kind] = r.get("tflops")
-                del w
+            if dense_operands is None:
+                dense_operands = (x, dy, w_local[0])
+                dense = time_dense(proj, *dense_operands, args.reps, results, "before")
             fwd = jax.jit(gemm.grouped_matmul_of_groups)
             dx = jax.jit(gemm.grouped_matmul_dx_of_groups)
             dws = {}
@@ -492,11 +483,61 @@ def main():
                          budget, args.reps, results, record, write)
             del w_local, w_slots
             write()
-        del x, dy
+        time_dense(proj, *dense_operands, args.reps, results, "after")
+        set_pct_of_dense(proj, dense_flops(m, d0, d1), results, record)
+        write()
+        del x, dy, dense_operands
 
     write()
     print_table(results)
     print(f"wrote {', '.join(str(o / stem) + '.json' for o in outs) or 'nothing (cpu smoke)'}")
+
+
+DENSE_KINDS = {
+    "fwd": lambda x, dy, w: (jnp.dot, (x, w)),
+    "dx": lambda x, dy, w: (lambda a, b: a @ b.T, (dy, w)),
+    "dw_bf16": lambda x, dy, w: (lambda a, b: a.T @ b, (x, dy)),
+    "dw_fp32": lambda x, dy, w: (
+        lambda a, b: jnp.dot(a.T, b, preferred_element_type=jnp.float32), (x, dy)),
+}
+
+
+def time_dense(proj: str, x, dy, w, reps: int, results: list, phase: str) -> dict:
+    """Times every dense reference of `proj` (`phase` "before" or "after" its grouped GEMMs) and
+    appends the results; returns {kind: TFLOP/s} (None where it failed)."""
+    m, (d0, d1) = x.shape[0], w.shape
+    tflops = {}
+    for kind, operands in DENSE_KINDS.items():
+        fn, a = operands(x, dy, w)
+        r = measure(f"{proj}/dense_{kind}", jax.jit(fn), a, reps, dense_flops(m, d0, d1), M=m,
+                    kind="dense", phase=phase)
+        results.append(r)
+        tflops[kind] = r.get("tflops")
+    return tflops
+
+
+def dense_flops(m: int, d0: int, d1: int) -> float:
+    return 2.0 * m * d0 * d1
+
+
+def set_pct_of_dense(proj: str, flops: float, results: list, record: dict) -> None:
+    """`record["dense_tflops"][proj/kind]`: each dense reference's rate at the median of its
+    before and after timings (a GPU's clock drifts over a minutes-long run: a run's dense forward
+    at its start took 5.24 ms, the previous record's 5.62, while the grouped GEMMs timed between
+    them moved by under 5 %), and every `proj` result's `pct_of_dense` against it (the values
+    written while the run went on used the "before" timing alone)."""
+    combined = record.setdefault("dense_tflops", {})
+    for kind in DENSE_KINDS:
+        runs = [r for r in results if r["name"] == f"{proj}/dense_{kind}" and "times_ms" in r]
+        if {r["phase"] for r in runs} == {"before", "after"}:
+            median = float(np.median([t for r in runs for t in r["times_ms"]]))
+            combined[f"{proj}/{kind}"] = flops / (median * 1e-3) / 1e12
+    for r in results:
+        ref = r.get("dense_reference", "")
+        if ref.startswith(f"{proj}/dense_") and r.get("tflops"):
+            key = f"{proj}/{ref.split('/dense_', 1)[1]}"
+            if key in combined:
+                r["pct_of_dense"] = 100 * r["tflops"] / combined[key]
 
 
 def mgpu_operands(g: dict, x, w_local, w_slots):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -30,3 +31,24 @@ def test_bench_gemm_cpu_smoke_times_every_call(tmp_path):
                      "moonep_dw"):
             assert f"{proj}/{call}" in timed
         assert any(key.startswith(f"{proj}/R") for key in record["dw"])
+        # The dense references are timed on both sides of the projection's grouped GEMMs, and
+        # every % of dense is against the median over both timings.
+        for kind in ("fwd", "dx", "dw_bf16", "dw_fp32"):
+            phases = [r["phase"] for r in record["records"] if r["name"] == f"{proj}/dense_{kind}"]
+            assert sorted(phases) == ["after", "before"], (proj, kind, phases)
+            times = [t for r in record["records"] if r["name"] == f"{proj}/dense_{kind}"
+                     for t in r["times_ms"]]
+            rate = record["dense_tflops"][f"{proj}/{kind}"]
+            assert rate == pytest.approx(
+                2.0 * record["M_per_rank"] * _dims(record, proj) / np.median(times) * 1e-9)
+        for r in record["records"]:
+            if r["name"].startswith(f"{proj}/moonep_"):
+                ref = r["dense_reference"].replace("/dense_", "/")
+                assert r["pct_of_dense"] == pytest.approx(100 * r["tflops"]
+                                                          / record["dense_tflops"][ref])
+
+
+def _dims(record, proj):
+    """D0 * D1 of a projection."""
+    h, f = record["H"], record["F"]
+    return h * 2 * f if proj == "gate_up" else f * h
