@@ -33,6 +33,37 @@ def time_calls(fn, args, reps: int, before_each=None) -> list[float]:
     return times
 
 
+def time_round_robin(fn, arg_sets: list, reps: int, warmups: int = 1) -> list[dict]:
+    """`fn(*args)` for every `args` of `arg_sets`, timed in rounds: `warmups` untimed calls of each,
+    then call i of every set (in order) before call i + 1 of any, so that a GPU's drift over the
+    run (clocks, temperature) spreads over all sets instead of favouring the first. Returns, per
+    set, `{"status": "ok", "times_ms", "median_ms"}`, or `{"status": "failed: ..."}` for a set
+    whose call raised (that set is then left out of the later rounds)."""
+    results = [{"status": "ok", "times_ms": []} for _ in arg_sets]
+
+    def call(i, timed: bool):
+        try:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*arg_sets[i]))
+            if timed:
+                results[i]["times_ms"].append((time.perf_counter() - t0) * 1e3)
+        except Exception as e:  # noqa: BLE001  (recorded; the other sets go on)
+            results[i] = {"status": f"failed: {type(e).__name__}: {str(e)[:400]}"}
+
+    for i in range(len(arg_sets)):
+        for _ in range(warmups):
+            if results[i]["status"] == "ok":
+                call(i, timed=False)
+    for _ in range(reps):
+        for i in range(len(arg_sets)):
+            if results[i]["status"] == "ok":
+                call(i, timed=True)
+    for r in results:
+        if r["status"] == "ok":
+            r["median_ms"] = float(np.median(r["times_ms"]))
+    return results
+
+
 def git_commit() -> str | None:
     """The commit the code comes from: `$MOONEP_GIT_COMMIT` (tools/gpu.sh run sets it from
     `.gpu/COMMIT`, written when the binary was built: the GPU machine's copy of the tree may hold

@@ -39,7 +39,9 @@ EP=2's per-rank work of the record shape (S=8192, K=8, H=7168, F=2048, bf16, B =
 moonep_jax's step (`jax.value_and_grad` w.r.t. x, topk_w and both weights) and its forward next to
 the dense floor measured in the same process (the same S*K rows through ONE dense SwiGLU expert, 6
 dense GEMMs, `jax.value_and_grad`), their ratio, each point's groups and M tiles, and the memory of
-the compiled step. Median of --reps (20) after 2 warm-ups; about a minute of GPU time after
+the compiled step. Median of --reps (20) after 2 warm-ups, the four points timed round-robin
+(call i of every point before call i + 1 of any: timed one point after another, the later calls
+of the last points ran up to 7 % slower than their first ones); about a minute of GPU time after
 compiles. `--ncu` first re-runs exactly one step under ncu (the recipe of
 shared/examples/profile_layer/run_ncu.sh; needs ncu and CuPy or libnvToolsExt) and folds the
 per-kernel times into the record by category (grouped GEMM fwd/dX, dW, converts, reduce_grad,
@@ -685,7 +687,8 @@ def main_one_gpu(args) -> None:
               "implementation": implementation, "nvs": cfg.nvs, "prefetch_slots": cfg.num_slots,
               "tile_m": tile_m, "reps": reps, "warmups": 2,
               "timing": "median wall ms of reps calls of the compiled step after 2 warm-up calls, "
-                        "each until ready",
+                        "each until ready; the maxvio points timed round-robin (call i of every "
+                        "point before call i+1 of any: benchmarks/_common.py time_round_robin)",
               "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
               "xla_flags": os.environ.get("XLA_FLAGS"),
               "routing": ONE_GPU_ROUTING,
@@ -714,25 +717,26 @@ def main_one_gpu(args) -> None:
     print(f"dense floor: fwd+bwd {dense['fwd_bwd']['median_ms']:.3f} ms, fwd "
           f"{dense['fwd']['median_ms']:.3f} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    compiled, memory = {}, {}
+    memory, point_args = {}, []
     for maxvio in MAXVIOS:
         topk_idx, sigma, realised = one_gpu_routing(mesh, shape, maxvio)
-        step_args = (x, topk_idx, topk_w, w_gate_up, w_down, d_out)
-        point = {"maxvio_target": maxvio, "maxvio_measured": realised, "sigma": sigma,
-                 "groups": plan_groups(cfg, mesh, topk_idx, tile_m), "results": []}
-        for name, fn in (("moonep fwd+bwd", step), ("moonep fwd", forward)):
-            try:
-                if name not in compiled:
-                    compiled[name] = fn.lower(*step_args).compile()
-                    memory[name] = memory_of(compiled[name])
-                result = {"method": name, **timed(compiled[name], step_args, reps)}
-            except Exception as e:  # noqa: BLE001  (recorded, the other points still run)
-                result = {"method": name, "status": f"failed: {type(e).__name__}: {str(e)[:400]}"}
-            point["results"].append(result)
-            print(f"maxvio {maxvio:5.1f} {name:15s} "
+        point_args.append((x, topk_idx, topk_w, w_gate_up, w_down, d_out))
+        record["points"].append({"maxvio_target": maxvio, "maxvio_measured": realised,
+                                 "sigma": sigma, "results": [],
+                                 "groups": plan_groups(cfg, mesh, topk_idx, tile_m)})
+    # One compile per method (shapes do not depend on maxvio); the points timed round-robin.
+    for name, fn in (("moonep fwd+bwd", step), ("moonep fwd", forward)):
+        try:
+            compiled = fn.lower(*point_args[0]).compile()
+            memory[name] = memory_of(compiled)
+            results = _common.time_round_robin(compiled, point_args, reps, warmups=2)
+        except Exception as e:  # noqa: BLE001  (recorded, the other method still runs)
+            results = [{"status": f"failed: {type(e).__name__}: {str(e)[:400]}"}] * len(MAXVIOS)
+        for point, result in zip(record["points"], results):
+            point["results"].append({"method": name, **result})
+            print(f"maxvio {point['maxvio_target']:5.1f} {name:15s} "
                   f"{result.get('median_ms', float('nan')):9.3f} ms {result['status'][:120]}",
                   flush=True)
-        record["points"].append(point)
         write()
     if jax.default_backend() == "gpu":
         stats = devices[0].memory_stats() or {}
