@@ -413,7 +413,11 @@ def main():
     outs = ([] if args.cpu_smoke else [pathlib.Path(__file__).parent / "results"]) + (
         [args.out] if args.out else [])
 
+    projections = {"gate_up": (h, 2 * f), "down": (f, h)}
+
     def write():
+        for proj, (d0, d1) in projections.items():
+            set_pct_of_dense(proj, gemm_flops(m, d0, d1), results, record)
         for out in outs:
             out.mkdir(parents=True, exist_ok=True)
             (out / f"{stem}.json").write_text(plan_groupings.dumps(record))
@@ -427,11 +431,10 @@ def main():
     signal.signal(signal.SIGTERM, on_term)
     write()
     configs = QUICK_MGPU_CONFIGS if args.quick or args.cpu_smoke else MGPU_CONFIGS
-    for pi, (proj, (d0, d1)) in enumerate({"gate_up": (h, 2 * f), "down": (f, h)}.items()):
+    for pi, (proj, (d0, d1)) in enumerate(projections.items()):
         # Dense references on rank-sized M (every grouping has M = S*K rows here), timed before
         # and after the projection's grouped GEMMs; % of dense uses both (dense_tflops).
         x = dy = dense_operands = None
-        dense = {}
         for li, epn in enumerate(sorted({g["epn"] for g in groupings}, reverse=True)):
             # Weight layouts by epn (B = epn): 192 for R=2 at E=384, the synthetic groupings and
             # R=1 at E=192; 48 for R=8.
@@ -439,7 +442,7 @@ def main():
             x, dy, w_local, w_slots = draw(jax.random.key(10 * pi + li), m, d0, d1, epn)
             if dense_operands is None:
                 dense_operands = (x, dy, w_local[0])
-                dense = time_dense(proj, *dense_operands, args.reps, results, "before")
+                time_dense(proj, *dense_operands, args.reps, results, "before")
             fwd = jax.jit(gemm.grouped_matmul_of_groups)
             dx = jax.jit(gemm.grouped_matmul_dx_of_groups)
             dws = {}
@@ -452,7 +455,7 @@ def main():
                 rank = jnp.array([g["rank"]], jnp.int32)
                 slots = jnp.asarray(g["experts_to_copy"], jnp.int32)
                 rows = g["stats"]["rows"]
-                flops = 2.0 * rows * d0 * d1
+                flops = gemm_flops(rows, d0, d1)
                 info = grouping_record(g)
                 dw_args = (x, dy, cu, rank, slots)
                 dw_out = out_avals(dw, *dw_args)
@@ -465,8 +468,6 @@ def main():
                                 dense_reference=f"{proj}/dense_{ref}")
                     if kind == "dw":
                         r["dw_outputs"] = dw_out
-                    if r.get("tflops") and dense.get(ref):
-                        r["pct_of_dense"] = 100 * r["tflops"] / dense[ref]
                     results.append(r)
                 if args.ragged_dot and g["kind"] == "real_plan" and g.get("maxvio_target") == 1:
                     lhs, rhs, gs = mgpu_operands(g, x, w_local, w_slots)
@@ -479,12 +480,11 @@ def main():
                 spent = sum(v for k, v in record["mgpu"].get("seconds", {}).items()
                             if k.startswith(f"{proj}/"))
                 budget = 0.6 * args.mgpu_budget if li == 0 else args.mgpu_budget - spent
-                run_mgpu(mgpu, configs, proj, d0, d1, layout, x, dy, w_local, w_slots, dense,
+                run_mgpu(mgpu, configs, proj, d0, d1, layout, x, dy, w_local, w_slots,
                          budget, args.reps, results, record, write)
             del w_local, w_slots
             write()
         time_dense(proj, *dense_operands, args.reps, results, "after")
-        set_pct_of_dense(proj, dense_flops(m, d0, d1), results, record)
         write()
         del x, dy, dense_operands
 
@@ -502,36 +502,34 @@ DENSE_KINDS = {
 }
 
 
-def time_dense(proj: str, x, dy, w, reps: int, results: list, phase: str) -> dict:
+def time_dense(proj: str, x, dy, w, reps: int, results: list, phase: str) -> None:
     """Times every dense reference of `proj` (`phase` "before" or "after" its grouped GEMMs) and
-    appends the results; returns {kind: TFLOP/s} (None where it failed)."""
+    appends the results."""
     m, (d0, d1) = x.shape[0], w.shape
-    tflops = {}
     for kind, operands in DENSE_KINDS.items():
         fn, a = operands(x, dy, w)
-        r = measure(f"{proj}/dense_{kind}", jax.jit(fn), a, reps, dense_flops(m, d0, d1), M=m,
-                    kind="dense", phase=phase)
-        results.append(r)
-        tflops[kind] = r.get("tflops")
-    return tflops
+        results.append(measure(f"{proj}/dense_{kind}", jax.jit(fn), a, reps,
+                               gemm_flops(m, d0, d1), M=m, kind="dense", phase=phase))
 
 
-def dense_flops(m: int, d0: int, d1: int) -> float:
+def gemm_flops(m: int, d0: int, d1: int) -> float:
+    """FLOPs of an [m, d0] x [d0, d1] product (or of grouped ones over m rows in all)."""
     return 2.0 * m * d0 * d1
 
 
 def set_pct_of_dense(proj: str, flops: float, results: list, record: dict) -> None:
-    """`record["dense_tflops"][proj/kind]`: each dense reference's rate at the median of its
-    before and after timings (a GPU's clock drifts over a minutes-long run: a run's dense forward
-    at its start took 5.24 ms, the previous record's 5.62, while the grouped GEMMs timed between
-    them moved by under 5 %), and every `proj` result's `pct_of_dense` against it (the values
-    written while the run went on used the "before" timing alone)."""
+    """`record["dense_tflops"][proj/kind]`: each dense reference's rate at the median of all its
+    timings so far (before the projection's grouped GEMMs, then also after them: a GPU's clock
+    drifts over a minutes-long run, and a run's dense forward at its start took 5.24 ms, the
+    previous record's 5.62, while the grouped GEMMs timed between them moved by under 5 %), and
+    every `proj` result's `pct_of_dense` against it. Runs on every write, so a record cut short
+    holds the percentages of what was timed."""
     combined = record.setdefault("dense_tflops", {})
     for kind in DENSE_KINDS:
-        runs = [r for r in results if r["name"] == f"{proj}/dense_{kind}" and "times_ms" in r]
-        if {r["phase"] for r in runs} == {"before", "after"}:
-            median = float(np.median([t for r in runs for t in r["times_ms"]]))
-            combined[f"{proj}/{kind}"] = flops / (median * 1e-3) / 1e12
+        times = [t for r in results if r["name"] == f"{proj}/dense_{kind}"
+                 for t in r.get("times_ms", [])]
+        if times:
+            combined[f"{proj}/{kind}"] = flops / (float(np.median(times)) * 1e-3) / 1e12
     for r in results:
         ref = r.get("dense_reference", "")
         if ref.startswith(f"{proj}/dense_") and r.get("tflops"):
@@ -555,7 +553,7 @@ def mgpu_operands(g: dict, x, w_local, w_slots):
     return lhs, rhs, jnp.asarray(sizes[active], jnp.int32)
 
 
-def run_mgpu(mgpu, configs, proj, d0, d1, layout, x, dy, w_local, w_slots, dense, budget: float,
+def run_mgpu(mgpu, configs, proj, d0, d1, layout, x, dy, w_local, w_slots, budget: float,
              reps: int, results, record, write):
     """The config sweep (forward and dX, at the R=2 maxvio 1 grouping), then each direction's best
     config at every main grouping of this layout, most telling first, within `budget` seconds."""
@@ -573,7 +571,7 @@ def run_mgpu(mgpu, configs, proj, d0, d1, layout, x, dy, w_local, w_slots, dense
             sweep_at = main[0]
             lhs, rhs, gs = mgpu_operands(sweep_at, lhs_full, w_local, w_slots)
             info = grouping_record(sweep_at)
-            flops = 2.0 * sweep_at["stats"]["rows"] * d0 * d1
+            flops = gemm_flops(sweep_at["stats"]["rows"], d0, d1)
             tried = []
             candidates = configs
             if kind == "dx" and best.get(f"{proj}/fwd", {}).get("ranking"):
@@ -611,13 +609,11 @@ def run_mgpu(mgpu, configs, proj, d0, d1, layout, x, dy, w_local, w_slots, dense
                                 "status": f"skipped: mgpu budget ({budget:.0f} s here) spent"})
                 continue
             lhs, rhs, gs = mgpu_operands(g, lhs_full, w_local, w_slots)
-            flops = 2.0 * g["stats"]["rows"] * d0 * d1
+            flops = gemm_flops(g["stats"]["rows"], d0, d1)
             r = measure(f"{proj}/mgpu_{kind}",
                         mgpu_call(mgpu, tuple(config[n_] for n_ in MGPU_NAMES), transpose),
                         (lhs, rhs, gs), reps, flops, config=config, **info,
                         dense_reference=f"{proj}/dense_{kind}")
-            if r.get("tflops") and dense.get(kind):
-                r["pct_of_dense"] = 100 * r["tflops"] / dense[kind]
             results.append(r)
             del lhs, rhs, gs
             write()
