@@ -58,7 +58,14 @@ of dense). Earlier, 128 x 256 tiles had taken two M tiles for the ~170-row group
 plan (bench_gemm gate_up forward at maxvio 0.2: 45 % of dense, 52 % with 256 x 128, 64-68 % once a
 warp group also skipped its empty 64-row blocks). dW tiles D0 by 256 (`DW_TILE_M`): its K is the
 group's rows, taken 32 at a time (`DW_TILE_K`, see there why), and its epilogue stages a bf16 tile
-in shared memory next to 6 pipeline stages.
+in shared memory next to 6 pipeline stages. The two dW warp groups share every stage but not their
+epilogues: each zeroes the K tail of the rows it reads and stores its own 64-row blocks (its own
+barriers and TMA-store warp), and warp group 1 runs `DW_LAG_K_TILES` K tiles behind warp group 0,
+so that one group's epilogue can overlap the other's last K tiles of an item (bench_gemm's
+dW groupings, A/B in both process orders: gate_up 1-4 % faster at R <= 2 and 1 % at R = 8, down
+within +-2 %). Tried and not kept: pingpong warp groups on 128 x 128 items of their own (17-25 %
+slower: a third more operand bytes per FLOP through L2, the kernel ran at the same ~6 TB/s from
+L2 either way) and 256 x 192 or 256 x 160 tiles (fewer bytes per FLOP, fewer stages: within +-5 %).
 """
 
 import cuda.bindings.driver as cuda
@@ -95,9 +102,16 @@ ALIGN_ELEMS = 8
 # Warp specialisation: warp group 0 loads (one warp issues TMA), warp groups 1 and 2 compute.
 THREADS_PER_GROUP = 128
 WARPS_PER_GROUP = THREADS_PER_GROUP // 32
-NUM_CONSUMER_THREADS = 2 * THREADS_PER_GROUP
+CONSUMER_GROUPS = 2
+NUM_CONSUMER_THREADS = CONSUMER_GROUPS * THREADS_PER_GROUP
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 * 40 + 256 * 232 <= 64K registers per SM
-CONSUMER_BARRIER = 1  # named barrier of the consumer warp groups (0 is __syncthreads)
+# Named barriers (0 is __syncthreads): dW's consumer warp group g synchronises its own threads on
+# FIRST_GROUP_BARRIER + g; warp group 1 waits on LAG_BARRIER for warp group 0's head start.
+FIRST_GROUP_BARRIER, LAG_BARRIER = 1, 3
+# dW: warp group 1 multiplies this many K tiles behind warp group 0 (it starts once warp group 0
+# has issued that many), so that one group's epilogue runs while the other still multiplies the
+# item's last K tiles. Both read every stage, so the lag must stay below the ring's stages.
+DW_LAG_K_TILES = 3
 
 
 def rows_num_items(c: cute.Tensor, num_tiles):
@@ -335,16 +349,24 @@ class GroupedMatmul:
         # The bf16 tiles of dw_local leave through shared memory and a TMA store, so that the
         # consumers go on to the next tile's MMAs while the store drains (their register
         # stores used to stall them for every tile: a dW item's K is one group's ~340 rows).
+        # Each warp group stages and stores its own ATOM_M-row blocks of the tile (block j of
+        # the tile is stage j), so neither waits for the other's epilogue.
+        assert DW_LAG_K_TILES < self.num_stages, "warp group 0 would wait for warp group 1"
         self.c_smem_staged = sm90_utils.make_smem_layout_epi(
-            self.ab_dtype, utils.LayoutEnum.ROW_MAJOR, (DW_TILE_M, TILE_N), 1)
+            self.ab_dtype, utils.LayoutEnum.ROW_MAJOR, (ATOM_M, TILE_N), DW_TILE_M // ATOM_M)
         tma_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), dw_local,
-            cute.slice_(self.c_smem_staged, (None, None, 0)), (DW_TILE_M, TILE_N))
+            cute.slice_(self.c_smem_staged, (None, None, 0)), (ATOM_M, TILE_N))
+        # One warp group's MMA: its view of one block's accumulators.
+        block_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, utils.LayoutEnum.from_tensor(a).sm90_mma_major_mode(),
+            utils.LayoutEnum.from_tensor(b).sm90_mma_major_mode(), self.acc_dtype, (1, 1, 1),
+            tiler_mn=(ATOM_M, TILE_N))
         self.shared_storage = self._shared_storage(sA=self.a_smem_staged, sB=self.b_smem_staged,
                                                    sC=self.c_smem_staged)
         num_items = weight_grad_num_items(dw_local, dw_slots)
         self.weight_grad_kernel(
-            self.tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c,
+            self.tiled_mma, block_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c,
             dw_local, dw_partial, dw_slots, replica_flags, cu_seqlens, ep_rank,
             zero_unused_slots, self.a_smem_staged, self.b_smem_staged, self.c_smem_staged,
         ).launch(grid=(cutlass.min(num_ctas, num_items), 1, 1), block=(self.num_threads, 1, 1),
@@ -401,7 +423,8 @@ class GroupedMatmul:
         return has_work, mat, m_tile, n_tile, num_rows, num_k_tiles, to_partial
 
     @cute.kernel
-    def weight_grad_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
+    def weight_grad_kernel(self, tiled_mma: cute.TiledMma, block_mma: cute.TiledMma,
+                           tma_a: cute.CopyAtom, mA: cute.Tensor,
                            tma_b: cute.CopyAtom, mB: cute.Tensor, tma_c: cute.CopyAtom,
                            mC: cute.Tensor, dw_local: cute.Tensor, dw_partial: cute.Tensor,
                            dw_slots: cute.Tensor, replica_flags: cute.Tensor,
@@ -433,19 +456,24 @@ class GroupedMatmul:
         else:
             cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
             thread = tidx - THREADS_PER_GROUP
+            group = warp_idx // WARPS_PER_GROUP - 1
             tCrA, tCrB, (accumulators,), read, release = self.consumer_setup(
                 tiled_mma, sA, sB, thread, (DW_TILE_M, TILE_N), 1)
             d0 = cute.size(dw_local, mode=[0])
             d1 = cute.size(dw_local, mode=[1])
             num_local = cute.size(dw_local, mode=[2])
-            # One consumer warp issues the TMA stores; bulk-store groups belong to the threads
-            # that commit them, so the same warp waits for them.
-            storer = warp_idx == WARPS_PER_GROUP
+            # The first warp of each warp group issues its TMA stores; bulk-store groups belong
+            # to the threads that commit them, so the same warp waits for them.
+            storer = warp_idx % WARPS_PER_GROUP == 0
             c_stores = pipeline.PipelineTmaStore.create(
                 num_stages=1, producer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, NUM_CONSUMER_THREADS))
-            sC_tile = cute.slice_(sC, (None, None, 0))
-            cC_tile = cute.make_identity_tensor((DW_TILE_M, TILE_N))
+                    pipeline.Agent.Thread, THREADS_PER_GROUP))
+            # K tiles warp group 0 issues before warp group 1 starts (0 for warp group 1).
+            lag_left = cutlass.Int32(0)
+            if group == 0:
+                lag_left = cutlass.Int32(DW_LAG_K_TILES)
+            else:
+                cute.arch.barrier(barrier_id=LAG_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
             # The next item's group (and replica flag) is read while this one multiplies: read on
             # the way into an item, these loads left the tensor pipes idle between items.
             has_work, mat, m_tile, n_tile, num_rows, num_k_tiles, to_partial = (
@@ -457,9 +485,9 @@ class GroupedMatmul:
                     item + item_stride, num_items, mA, mB, dw_local, dw_partial, dw_slots,
                     replica_flags, cu_seqlens, ep_rank, zero_unused_slots)
                 if has_work != 0:
-                    read, release = self.consume(ab_pipeline, read, release, tiled_mma, tCrA,
-                                                 tCrB, accumulators, sA, sB, num_k_tiles,
-                                                 num_rows, thread)
+                    read, release, lag_left = self.consume(
+                        ab_pipeline, read, release, tiled_mma, tCrA, tCrB, accumulators, sA, sB,
+                        num_k_tiles, num_rows, group, lag_left)
                     cC = cute.local_tile(cute.make_identity_tensor((d0, d1)), (DW_TILE_M, TILE_N),
                                          (m_tile, n_tile))
                     if mat < num_local:
@@ -470,14 +498,17 @@ class GroupedMatmul:
                         else:
                             gC = cute.local_tile(mC[None, None, mat], (DW_TILE_M, TILE_N),
                                                  (m_tile, n_tile))
-                            self.store_through_shared(tiled_mma, thread, accumulators, tma_c,
-                                                      c_stores, storer, sC, sC_tile, cC_tile,
-                                                      gC)
+                            self.store_through_shared(block_mma, thread, accumulators, tma_c,
+                                                      c_stores, storer, sC, group, gC)
                     else:
                         gC = cute.local_tile(dw_slots[None, None, mat - num_local],
                                              (DW_TILE_M, TILE_N), (m_tile, n_tile))
                         self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
                 has_work, mat, m_tile, n_tile, num_rows, num_k_tiles, to_partial = next_item
+            # A CTA with fewer K tiles than the lag still lets warp group 1 go.
+            if lag_left > 0:
+                cute.arch.barrier_arrive(barrier_id=LAG_BARRIER,
+                                         number_of_threads=NUM_CONSUMER_THREADS)
             if storer:
                 c_stores.producer_tail()
 
@@ -602,23 +633,30 @@ class GroupedMatmul:
     @cute.jit
     def consume(self, ab_pipeline, read, release, tiled_mma: cute.TiledMma, tCrA: cute.Tensor,
                 tCrB: cute.Tensor, accumulators: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor,
-                num_k_tiles: cutlass.Int32, valid_k: cutlass.Int32, thread: cutlass.Int32):
-        """Consumer warp groups, dW: `accumulators = sum over the item's K tiles` (fp32
+                num_k_tiles: cutlass.Int32, valid_k: cutlass.Int32, group: cutlass.Int32,
+                lag_left: cutlass.Int32):
+        """Consumer warp group `group`, dW: `accumulators = sum over the item's K tiles` (fp32
         registers). K indices `>= valid_k` (the rows of the next group) are zeroed in shared
         memory before the WGMMAs read them. Every stage read is released once its WGMMAs are
         done, the last one included, so the producer runs ahead into the next work item while
-        this one is stored."""
+        this one is stored. Warp group 0 lets warp group 1 start once it has issued its first
+        DW_LAG_K_TILES K tiles (`lag_left` counts them down; returned)."""
         accumulators.fill(0.0)
         num_k_blocks = cute.size(tCrA, mode=[2])
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
             ab_pipeline.consumer_wait(read)
             if (k_tile + 1) * DW_TILE_K > valid_k:
-                self.zero_k_tail(sA, sB, read.index, valid_k - k_tile * DW_TILE_K, thread)
+                self.zero_k_tail(sA, sB, read.index, valid_k - k_tile * DW_TILE_K, group)
             cute.nvgpu.warpgroup.fence()
             for k_block in cutlass.range_constexpr(num_k_blocks):
                 coord = (None, None, k_block, read.index)
                 cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
             cute.nvgpu.warpgroup.commit_group()
+            if lag_left > 0:
+                lag_left -= 1
+                if lag_left == 0:
+                    cute.arch.barrier_arrive(barrier_id=LAG_BARRIER,
+                                             number_of_threads=NUM_CONSUMER_THREADS)
             # Keep one K tile of WGMMAs in flight: the one before it is done with its stage.
             cute.nvgpu.warpgroup.wait_group(1)
             if k_tile > 0:
@@ -629,7 +667,7 @@ class GroupedMatmul:
         if num_k_tiles > 0:
             ab_pipeline.consumer_release(release)
             release.advance()
-        return read, release
+        return read, release, lag_left
 
     @cute.jit
     def consume_rows(self, ab_pipeline, read, release, tiled_mma: cute.TiledMma,
@@ -707,21 +745,34 @@ class GroupedMatmul:
 
     @cute.jit
     def zero_k_tail(self, sA: cute.Tensor, sB: cute.Tensor, stage: cutlass.Int32,
-                    first_invalid_k: cutlass.Int32, thread: cutlass.Int32):
-        """Zero K columns `>= first_invalid_k` of stage `stage` of both operand tiles (the two
-        consumer warp groups; the producer warp is not part of the named barrier)."""
-        self.zero_columns(sA, DW_TILE_M, stage, first_invalid_k, thread)
-        self.zero_columns(sB, TILE_N, stage, first_invalid_k, thread)
+                    first_invalid_k: cutlass.Int32, group: cutlass.Int32):
+        """Consumer warp group `group`: zero K columns `>= first_invalid_k` of stage `stage` in
+        the rows its WGMMAs read, its ATOM_M-row blocks of A and all of B. Both groups zero B:
+        each reads it only after its own zeros, and the other's writes store the same zeros, so
+        neither waits for the other."""
+        thread = cute.arch.thread_idx()[0] % THREADS_PER_GROUP
+        for m in cutlass.range_constexpr(DW_TILE_M // (CONSUMER_GROUPS * ATOM_M)):
+            self.zero_columns(sA, (CONSUMER_GROUPS * m + group) * ATOM_M, ATOM_M, stage,
+                              first_invalid_k, thread)
+        self.zero_columns(sB, 0, TILE_N, stage, first_invalid_k, thread)
         # The WGMMAs read shared memory through the async proxy.
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
+        self.group_barrier(group)
 
     @cute.jit
-    def zero_columns(self, s: cute.Tensor, rows: cutlass.Constexpr[int], stage: cutlass.Int32,
-                     first_invalid_k: cutlass.Int32, thread: cutlass.Int32):
-        """Zero columns `>= first_invalid_k` of an MN-major `[rows, DW_TILE_K]` stage, 16 bytes per
-        store: the 128-byte swizzle permutes whole 16-byte chunks, so 8 consecutive rows of one
-        column stay one aligned chunk (a scalar store per element cost ~2 us per dW item)."""
+    def group_barrier(self, group: cutlass.Int32):
+        """Synchronise the threads of consumer warp group `group`."""
+        cute.arch.barrier(barrier_id=FIRST_GROUP_BARRIER + group,
+                          number_of_threads=THREADS_PER_GROUP)
+
+    @cute.jit
+    def zero_columns(self, s: cute.Tensor, first_row: cutlass.Int32, rows: cutlass.Constexpr[int],
+                     stage: cutlass.Int32, first_invalid_k: cutlass.Int32,
+                     thread: cutlass.Int32):
+        """Zero columns `>= first_invalid_k` of rows `[first_row, first_row + rows)` of an MN-major
+        `[., DW_TILE_K]` stage (one warp group's threads), 16 bytes per store: the 128-byte
+        swizzle permutes whole 16-byte chunks, so 8 consecutive rows of one column stay one
+        aligned chunk (a scalar store per element cost ~2 us per dW item)."""
         vector = 128 // self.ab_dtype.width
         chunks = cute.zipped_divide(s[None, None, stage], (vector, 1))  # ((vector,1), (r/v, K))
         zeros = cute.make_rmem_tensor(cute.make_layout(((vector, 1),)), self.ab_dtype)
@@ -729,11 +780,12 @@ class GroupedMatmul:
         chunk_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype,
                                           num_bits_per_copy=128)
         chunks_per_column = rows // vector
+        first_chunk = first_row // vector
         # c enumerates (chunk, k) with the chunk fastest, so the invalid columns start at k * chunks.
         for c in cutlass.range(first_invalid_k * chunks_per_column + thread,
-                               DW_TILE_K * chunks_per_column, NUM_CONSUMER_THREADS, unroll=1):
-            cute.copy(chunk_store, zeros,
-                      chunks[(None, (c % chunks_per_column, c // chunks_per_column))])
+                               DW_TILE_K * chunks_per_column, THREADS_PER_GROUP, unroll=1):
+            cute.copy(chunk_store, zeros, chunks[(None, (first_chunk + c % chunks_per_column,
+                                                         c // chunks_per_column))])
 
     @cute.jit
     def store(self, tiled_mma: cute.TiledMma, thread: cutlass.Int32, accumulators: cute.Tensor,
@@ -809,29 +861,43 @@ class GroupedMatmul:
                               segments[(None, (row, col // segment_elems))])
 
     @cute.jit
-    def store_through_shared(self, tiled_mma: cute.TiledMma, thread: cutlass.Int32,
-                             accumulators: cute.Tensor, tma_c: cute.CopyAtom, c_stores,
-                             storer, sC: cute.Tensor, sC_tile: cute.Tensor, cC_tile: cute.Tensor,
-                             gC: cute.Tensor):
-        """Store the accumulators to the tile `gC` of a TMA tensor: registers -> shared memory
-        (the consumer warp groups), then one TMA store that runs while the consumers go on.
+    def store_through_shared(self, block_mma: cute.TiledMma, thread: cutlass.Int32,
+                             accumulators: cute.Tensor, tma_c: cute.CopyAtom, c_stores, storer,
+                             sC: cute.Tensor, group: cutlass.Int32, gC: cute.Tensor):
+        """Consumer warp group `group`: store its accumulators (one ATOM_M-row block of the tile
+        per MMA row, block `2m + group` for row m) to the tile `gC` of a TMA tensor: registers ->
+        stage `2m + group` of `sC` (`block_mma` is one warp group's view of a block), then one
+        TMA store per block that runs while the group goes on. The group's previous stores must
+        have read its stages before they are written again; that wait is deferred to here, one
+        item later, so it is normally already over. TMA clips the blocks at the tensor's bounds.
 
-        The previous tile's store must have read `sC` before it is written again; that wait is
-        deferred to here, one item later, so it is normally already over. TMA clips the tile
-        at the tensor's bounds.
-        """
+        A thread's WGMMA accumulators come in pairs of adjacent columns; each pair is stored with
+        one 32-bit store (16-byte segments made dW 1-9 % slower, store_segments)."""
         if storer:
             c_stores.producer_acquire()
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
-        self.store(tiled_mma, thread, accumulators, sC_tile, cC_tile, DW_TILE_M, TILE_N)
+        self.group_barrier(group)
+        thr_mma = block_mma.get_slice(thread % THREADS_PER_GROUP)
+        values = cute.make_rmem_tensor(accumulators.shape, sC.element_type)
+        values.store(accumulators.load().to(sC.element_type))
+        pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sC.element_type,
+                                         num_bits_per_copy=2 * sC.element_type.width)
+        mma_rows = cute.size(values, mode=[1])
+        for m in cutlass.range_constexpr(mma_rows):
+            tCsC = cute.zipped_divide(
+                thr_mma.partition_C(sC[None, None, CONSUMER_GROUPS * m + group]), (2,))
+            tCrC = cute.zipped_divide(values[None, m, 0], (2,))
+            for j in cutlass.range_constexpr(cute.size(tCsC, mode=[1])):
+                cute.copy(pair_store, tCrC[(None, j)], tCsC[(None, j)])
         # The TMA unit reads shared memory through the async proxy.
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
+        self.group_barrier(group)
         if storer:
             sC_for_tma, gC_for_tma = cute.nvgpu.cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
-                cute.zipped_divide(gC, (DW_TILE_M, TILE_N)))
-            cute.copy(tma_c, sC_for_tma[(None, 0)], gC_for_tma[(None, 0)])
+                cute.zipped_divide(gC, (ATOM_M, TILE_N)))
+            for m in cutlass.range_constexpr(mma_rows):
+                block = CONSUMER_GROUPS * m + group
+                cute.copy(tma_c, sC_for_tma[(None, block)], gC_for_tma[(None, block)])
             c_stores.producer_commit()
 
 
