@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import json
 import os
@@ -62,6 +64,95 @@ def time_round_robin(fn, arg_sets: list, reps: int, warmups: int = 1) -> list[di
         if r["status"] == "ok":
             r["median_ms"] = float(np.median(r["times_ms"]))
     return results
+
+
+class ClockSampler:
+    """The GPU's SM clock, power draw and temperature, sampled by `nvidia-smi -lms` in the
+    background, so that a record says at which clocks its points ran: the drift of the same
+    binary between calls and within one (±5-10 % of a GEMM's time) is the records' largest
+    uncertainty. `command` replaces the nvidia-smi command line (tests); its output lines are
+    `sm MHz, W, °C`, one per sample."""
+
+    FIELDS = {"sm_clock_mhz": "clocks.sm", "power_w": "power.draw", "temperature_c":
+              "temperature.gpu"}
+
+    def __init__(self, gpu_index: int = 0, interval_ms: int = 50, command=None):
+        self.samples: list[tuple[float, tuple[float, ...]]] = []
+        self.error: str | None = None
+        self.message = ""  # the last output line that is not a sample (an error, say)
+        command = command or ["nvidia-smi", f"--id={gpu_index}", "--format=csv,noheader,nounits",
+                              f"--query-gpu={','.join(self.FIELDS.values())}",
+                              f"--loop-ms={interval_ms}"]
+        try:
+            self.process = subprocess.Popen(command, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True)
+        except OSError as e:
+            self.process, self.error = None, f"not sampled: {e}"
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+        atexit.register(self.close)
+
+    def _read(self):
+        for line in self.process.stdout:
+            try:
+                values = tuple(float(v) for v in line.split(","))
+            except ValueError:  # "[N/A]" or a message: not a sample
+                values = ()
+            if len(values) == len(self.FIELDS):
+                self.samples.append((time.monotonic(), values))
+            else:
+                self.message = line.strip()[:200]
+
+    def close(self):
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait()
+
+    def summary(self, t0: float, t1: float) -> dict:
+        """min / median / max of each field over the samples taken between t0 and t1
+        (time.monotonic()), or a status saying why there are none."""
+        if self.error:
+            return {"status": self.error}
+        window = np.array([v for t, v in list(self.samples) if t0 <= t <= t1])
+        if window.size == 0:
+            if self.process.poll() is not None:
+                return {"status": f"nvidia-smi exited ({self.process.returncode}): {self.message}"}
+            return {"status": "no sample in the window"}
+        out = {"status": "ok", "samples": len(window)}
+        for i, name in enumerate(self.FIELDS):
+            column = window[:, i]
+            out[name] = {"min": float(column.min()), "median": float(np.median(column)),
+                         "max": float(column.max())}
+        return out
+
+
+_sampler: ClockSampler | None = None
+# What a record's `gpu_clocks` fields hold.
+CLOCKS_METHOD = ("per timed block: min / median / max of the SM clock (MHz), power draw (W) and "
+                 "temperature (°C) over nvidia-smi's samples, every 50 ms (_common.gpu_clocks)")
+
+
+@contextlib.contextmanager
+def gpu_clocks():
+    """Yields a dict that, when the block ends, holds the GPU's clocks over it
+    (ClockSampler.summary; one sampler, started on first use, for the first GPU that
+    CUDA_VISIBLE_DEVICES names, in JAX process 0 only: the ranks of `--processes` share its GPU);
+    off a GPU it says so."""
+    global _sampler
+    clocks: dict = {}
+    if jax.default_backend() != "gpu" or jax.process_index() != 0:
+        clocks["status"] = "not on a GPU" if jax.default_backend() != "gpu" else (
+            "sampled by process 0 only")
+        yield clocks
+        return
+    if _sampler is None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        _sampler = ClockSampler(int(visible) if visible.isdigit() else 0)
+    t0 = time.monotonic()
+    try:
+        yield clocks
+    finally:
+        clocks.update(_sampler.summary(t0, time.monotonic()))
 
 
 def git_commit() -> str | None:

@@ -380,10 +380,12 @@ def bandwidths(t_ms: float, row_bytes: int, cfg, rows: dict) -> dict:
 
 def timed(name: str, fn, args, iters: int, reps: int) -> dict:
     try:
-        times = time_loop(fn, args, iters, reps)
+        with _common.gpu_clocks() as clocks:
+            times = time_loop(fn, args, iters, reps)
     except Exception as e:  # noqa: BLE001  (a baseline that cannot run is recorded, not fatal)
         return {"method": name, "status": f"failed: {type(e).__name__}: {str(e)[:300]}"}
-    return {"method": name, "status": "ok", "times_ms": times, "median_ms": float(np.median(times))}
+    return {"method": name, "status": "ok", "times_ms": times, "median_ms": float(np.median(times)),
+            "gpu_clocks": clocks}
 
 
 def global_routing(cfg: moonep_jax.EPConfig, maxvio: float) -> tuple[np.ndarray, float, float]:
@@ -554,6 +556,7 @@ def run_ranks(args) -> None:
     record = {"schema": "moonep_jax.bench_dispatch_processes/1", **_processes.provenance(R),
               "shape": dataclasses.asdict(shape), "dtype": "bfloat16", "nvs": cfg.nvs,
               "num_sms": _common.comm_ctas(cfg), "iters": args.iters, "reps": args.reps,
+              "gpu_clocks": _common.CLOCKS_METHOD,
               "implementation": impl, "methods": [method], "skipped_methods": skipped,
               **byte_count_methods(), "points": []}
     if first:
@@ -653,6 +656,7 @@ def main():
         "shape": dataclasses.asdict(shape), "dtype": "bfloat16", "nvs": cfgs["xla"].nvs,
         "process_layout": f"one process driving all {R} EP ranks (one per device)",
         "num_sms": _common.comm_ctas(cfgs["cuda"]), "iters": args.iters, "reps": args.reps,
+        "gpu_clocks": _common.CLOCKS_METHOD,
         "methods": methods,
         "skipped_methods": skipped,
         **byte_count_methods(),

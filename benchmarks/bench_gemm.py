@@ -289,7 +289,8 @@ def measure(name, fn, args, reps, flops, **extra) -> dict:
     """Time `fn(*args)`; a method that cannot run is recorded with its error. Prints as it goes."""
     t0 = time.perf_counter()
     try:
-        times = _common.time_calls(fn, args, reps)
+        with _common.gpu_clocks() as clocks:
+            times = _common.time_calls(fn, args, reps)
     except Exception as e:  # noqa: BLE001
         msg = f"{type(e).__name__}: {str(e)}"
         print(f"{name:24s} {extra.get('grouping', ''):>20} failed: {msg.splitlines()[0][:160]}",
@@ -298,7 +299,7 @@ def measure(name, fn, args, reps, flops, **extra) -> dict:
     median = float(np.median(times))
     result = {"name": name, "times_ms": times, "median_ms": median,
               "tflops": flops / (median * 1e-3) / 1e12, "seconds": time.perf_counter() - t0,
-              **extra}
+              "gpu_clocks": clocks, **extra}
     print(f"{name:24s} {extra.get('grouping', ''):>20} {median:8.3f} ms "
           f"{result['tflops']:7.1f} TFLOP/s", flush=True)
     return result
@@ -394,7 +395,8 @@ def main():
                          "before any timing",
               "S": S, "K": plan_groupings.K, "E": E, "H": h, "F": f, "M_per_rank": m,
               "dtype": "bfloat16", "quick": args.quick, "cpu_smoke": args.cpu_smoke,
-              "reps": args.reps, "tile_m": tile_m, "timing": "median wall ms of --reps calls "
+              "reps": args.reps, "tile_m": tile_m, "gpu_clocks": _common.CLOCKS_METHOD,
+              "timing": "median wall ms of --reps calls "
               "after one warm-up, each until ready (benchmarks/_common.py time_calls)",
               "groupings_source": plans_source, "planning_seconds": plan_seconds,
               "timed_rank": "the rank with the most M tiles (then rows, then lowest rank)",

@@ -537,8 +537,10 @@ def dense_floor(shape: Shape):
 def timed(compiled, args, reps: int, warmups: int = 2) -> dict:
     for _ in range(warmups - 1):  # time_calls warms up once more
         jax.block_until_ready(compiled(*args))
-    times = _common.time_calls(compiled, args, reps)
-    return {"status": "ok", "times_ms": times, "median_ms": float(np.median(times))}
+    with _common.gpu_clocks() as clocks:
+        times = _common.time_calls(compiled, args, reps)
+    return {"status": "ok", "times_ms": times, "median_ms": float(np.median(times)),
+            "gpu_clocks": clocks}
 
 
 def plan_groups(cfg, mesh, topk_idx, tile_m: int) -> dict:
@@ -686,6 +688,7 @@ def main_one_gpu(args) -> None:
               "shape": dataclasses.asdict(shape), "dtype": "bfloat16", "num_ranks": 1,
               "implementation": implementation, "nvs": cfg.nvs, "prefetch_slots": cfg.num_slots,
               "tile_m": tile_m, "reps": reps, "warmups": 2,
+              "gpu_clocks": _common.CLOCKS_METHOD,
               "timing": "median wall ms of reps calls of the compiled step after 2 warm-up calls, "
                         "each until ready; the maxvio points timed round-robin (call i of every "
                         "point before call i+1 of any: benchmarks/_common.py time_round_robin)",
@@ -729,11 +732,14 @@ def main_one_gpu(args) -> None:
         try:
             compiled = fn.lower(*point_args[0]).compile()
             memory[name] = memory_of(compiled)
-            results = _common.time_round_robin(compiled, point_args, reps, warmups=2)
+            with _common.gpu_clocks() as clocks:
+                results = _common.time_round_robin(compiled, point_args, reps, warmups=2)
         except Exception as e:  # noqa: BLE001  (recorded, the other method still runs)
             results = [{"status": f"failed: {type(e).__name__}: {str(e)[:400]}"}] * len(MAXVIOS)
+            clocks = {"status": "not timed"}
         for point, result in zip(record["points"], results):
-            point["results"].append({"method": name, **result})
+            point["results"].append({"method": name, **result,
+                                     "gpu_clocks_of_all_points": clocks})
             print(f"maxvio {point['maxvio_target']:5.1f} {name:15s} "
                   f"{result.get('median_ms', float('nan')):9.3f} ms {result['status'][:120]}",
                   flush=True)
@@ -743,6 +749,7 @@ def main_one_gpu(args) -> None:
         record["process_peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
     for kind, fn in (("fwd_bwd", dense_step), ("fwd", dense_fwd)):  # again after the layer
         again = timed(fn, dense_args, reps)
+        dense[kind]["gpu_clocks_after"] = again["gpu_clocks"]
         dense[kind]["times_ms"] += again["times_ms"]
         dense[kind]["median_ms"] = float(np.median(dense[kind]["times_ms"]))
     record["dense_floor"].update(
