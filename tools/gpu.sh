@@ -6,6 +6,10 @@
 #                                      # every @pytest.mark.gpu test (the multi-process ones in a
 #                                      # second pytest run that stays off the GPU itself), then the
 #                                      # named benchmarks
+#   bash tools/gpu.sh build-base REV   # here: the extension of commit REV into .gpu_base/
+#   bash tools/gpu.sh ab ARGS          # there, carry [".gpu", ".gpu_base"]: benchmarks/ab_gemm.py
+#                                      # run ARGS with .gpu ("new") and .gpu_base ("base") in the
+#                                      # process order new base base new, then their comparison
 #
 # `run` writes under $OUT (the device tool's folder that comes back, at most 8 files):
 # gpu_tests.log (environment + pytest), benchmarks.log, and each benchmark's JSON record (+ PNG)
@@ -26,8 +30,11 @@ cd "$(dirname "$0")/.."
 # The GPU machine's Python: the extension is built for it (its ABI tag), whatever runs here.
 GPU_PYTHON_VERSION=3.12
 
-build() {
+# build_tree SRC DEST: the extension of the source tree SRC (its CMake build in SRC/build/gpu)
+# into DEST/, with DEST/COMMIT.
+build_tree() {
   set -e
+  local src=$1 dest=$2
   local py=${PYTHON:-}
   if [ -z "$py" ]; then py=$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 ); fi
   local version; version=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -45,22 +52,64 @@ build() {
   [ -x "$cmake" ] || cmake=$(command -v cmake)
   [ -x "$ninja" ] || ninja=$(command -v ninja)
   local need have
-  need=$(sed -n 's/^cmake_minimum_required(VERSION \([0-9.]*\)).*/\1/p' CMakeLists.txt)
+  need=$(sed -n 's/^cmake_minimum_required(VERSION \([0-9.]*\)).*/\1/p' "$src/CMakeLists.txt")
   have=$("$cmake" --version | head -1 | awk '{print $3}')
   if [ "$(printf '%s\n%s\n' "$need" "$have" | sort -V | head -1)" != "$need" ]; then
     echo "tools/gpu.sh build: $cmake is cmake $have; CMakeLists.txt needs >= $need" \
       "(bash tools/setup.sh installs one into .venv)." >&2
     return 1
   fi
-  "$cmake" -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_MAKE_PROGRAM="$ninja" \
-    -DPython_EXECUTABLE="$python" -Dpybind11_DIR="$("$python" -m pybind11 --cmakedir)"
-  "$cmake" --build build/gpu
-  rm -rf .gpu && mkdir -p .gpu
-  cp build/gpu/_moonep_jax_cuda*.so .gpu/
+  "$cmake" -S "$src" -B "$src/build/gpu" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_MAKE_PROGRAM="$ninja" -DPython_EXECUTABLE="$python" \
+    -Dpybind11_DIR="$("$python" -m pybind11 --cmakedir)"
+  "$cmake" --build "$src/build/gpu"
+  rm -rf "$dest" && mkdir -p "$dest"
+  cp "$src"/build/gpu/_moonep_jax_cuda*.so "$dest/"
   # The device machine gets no git history: record which commit (and whether the tree was dirty)
   # the binary and the sources that travel with it come from.
-  echo "$(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!benchmarks/results' || echo -dirty)" > .gpu/COMMIT
+  echo "$(git -C "$src" rev-parse HEAD)$(git -C "$src" diff --quiet HEAD -- . ':!benchmarks/results' || echo -dirty)" > "$dest/COMMIT"
+}
+
+build() {
+  build_tree . .gpu
   echo "built $(ls .gpu); pass carry [\".gpu\"] and run: bash tools/gpu.sh run"
+}
+
+# build-base REV: commit REV checked out in build/base_src (a git worktree), built into
+# .gpu_base/ for `ab`.
+build_base() {
+  local rev=${1:?usage: bash tools/gpu.sh build-base REV}
+  set -e
+  git worktree remove --force build/base_src 2>/dev/null || rm -rf build/base_src
+  git worktree prune
+  git worktree add --detach build/base_src "$rev"
+  build_tree build/base_src .gpu_base
+  echo "built .gpu_base from $(cat .gpu_base/COMMIT); carry [\".gpu\", \".gpu_base\"] and run:" \
+    "bash tools/gpu.sh ab --kinds ... --groupings ..."
+}
+
+# ab ARGS: benchmarks/ab_gemm.py run ARGS with each build, new base base new (the second process
+# of a pair runs a few % slower), then the comparison; ab.log and the runs' JSON under $OUT.
+ab() {
+  OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+  if [ ! -f .gpu_base/COMMIT ] || [ ! -f .gpu/COMMIT ]; then
+    echo "tools/gpu.sh ab: needs .gpu and .gpu_base (bash tools/gpu.sh build, then build-base" \
+      "REV, and carry [\".gpu\", \".gpu_base\"])" >&2
+    return 1
+  fi
+  export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
+  { echo "new: $(cat .gpu/COMMIT)"; echo "base: $(cat .gpu_base/COMMIT)"; } | tee "$OUT/ab.log"
+  local index=0 status=0 tag dir
+  for tag in new base base new; do
+    dir=.gpu; [ "$tag" = base ] && dir=.gpu_base
+    MOONEP_GIT_COMMIT=$(cat "$dir/COMMIT") PYTHONPATH="$PWD/$dir:$PWD" \
+      timeout "${GPU_BENCH_TIMEOUT:-300}" python3 benchmarks/ab_gemm.py run --tag "$tag" \
+      --index "$index" --out "$OUT" "$@" 2>&1 | tee -a "$OUT/ab.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    index=$((index + 1))
+  done
+  python3 benchmarks/ab_gemm.py compare "$OUT"/ab_gemm_*.json | tee -a "$OUT/ab.log"
+  return $status
 }
 
 # run_pytest TIMEOUT ARGS...: pytest under a timeout, appended to gpu_tests.log; selecting no
@@ -119,5 +168,8 @@ run() {
 case "${1:-}" in
   build) build ;;
   run) shift; run "$@" ;;
-  *) echo "usage: bash tools/gpu.sh build | run [BENCH[:ARGS] ...]" >&2; exit 2 ;;
+  build-base) shift; build_base "$@" ;;
+  ab) shift; ab "$@" ;;
+  *) echo "usage: bash tools/gpu.sh build | run [BENCH[:ARGS] ...] | build-base REV | ab ARGS" >&2
+     exit 2 ;;
 esac

@@ -1,0 +1,152 @@
+"""A/B of two builds of the grouped GEMM: bench_gemm's calls (forward, dX, dW as moe_ffn calls
+it) at chosen groupings, timed in this process with whichever extension PYTHONPATH gives it, and
+the comparison of such runs.
+
+`run` times every (projection, kind, grouping) and writes `ab_gemm_<tag>_<index>.json`;
+`compare` averages each tag's runs per call and prints them side by side, in % of the first tag.
+`tools/gpu.sh ab` runs the two builds (`.gpu` as "new", `.gpu_base` as "base") in both process
+orders, new-base-base-new, since the second process of a pair runs a few % slower, then compares.
+
+    python benchmarks/ab_gemm.py run --tag new --index 0 --kinds fwd,dx,dw \
+        --groupings "R2 maxvio 0.2,R1 E192 maxvio 20" --out DIR
+    python benchmarks/ab_gemm.py compare DIR/ab_gemm_*.json
+
+Groupings are bench_gemm's labels, planned as bench_gemm plans them: taken from the `plans` of a
+bench_gemm record (`--plans`, default this GPU's record in benchmarks/results), or planned here
+for `--cpu-smoke` (a tiny shape on CPU, XLA stand-ins for the kernels: it tests the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _common  # noqa: E402
+import bench_gemm  # noqa: E402
+import plan_groupings  # noqa: E402
+
+KINDS = ("fwd", "dx", "dw")
+
+
+def groupings(args, shape: dict, tile_m: int) -> list[dict]:
+    """bench_gemm's groupings of the requested labels, in bench_gemm's order."""
+    if args.cpu_smoke:
+        plans = plan_groupings.compute(((2, bench_gemm.E),), (0.2, 20.0), shape["S"])
+    else:
+        path = args.plans or (_common.REPO / "benchmarks" / "results" /
+                              f"bench_gemm_{_common.device_tag(1)}.json")
+        plans = json.loads(pathlib.Path(path).read_text())["plans"]
+    m = shape["S"] * plan_groupings.K
+    found = [g for g in bench_gemm.all_groupings(plans, m, tile_m) if g["label"] in args.groupings]
+    missing = set(args.groupings) - {g["label"] for g in found}
+    if missing:
+        raise SystemExit(f"ab_gemm: --groupings {sorted(missing)} are not bench_gemm groupings "
+                         f"of these plans")
+    return found
+
+
+def run(args) -> None:
+    shape = bench_gemm.CPU_SMOKE if args.cpu_smoke else bench_gemm.FULL
+    if args.cpu_smoke:
+        gemm = bench_gemm.XlaStandIns
+    else:
+        from moonep_jax._cuda import grouped_matmul as gemm
+    h, f = shape["H"], shape["F"]
+    m = shape["S"] * plan_groupings.K
+    selected = groupings(args, shape, gemm.tile_m())
+    results = []
+    for pi, (proj, (d0, d1)) in enumerate({"gate_up": (h, 2 * f), "down": (f, h)}.items()):
+        for epn in sorted({g["epn"] for g in selected}, reverse=True):
+            x, dy, w_local, w_slots = bench_gemm.draw(jax.random.key(pi), m, d0, d1, epn)
+            fwd = jax.jit(gemm.grouped_matmul_of_groups)
+            dx = jax.jit(gemm.grouped_matmul_dx_of_groups)
+            for g in (g for g in selected if g["epn"] == epn):
+                cu = jnp.asarray(np.cumsum(g["sizes"]), jnp.int32)
+                rank = jnp.array([g["rank"]], jnp.int32)
+                dw, _ = bench_gemm.dw_call(gemm, g["R"], epn, epn)
+                calls = {"fwd": (fwd, (x, w_local, w_slots, cu, rank)),
+                         "dx": (dx, (dy, w_local, w_slots, cu, rank)),
+                         "dw": (dw, (x, dy, cu, rank,
+                                     jnp.asarray(g["experts_to_copy"], jnp.int32)))}
+                for kind in args.kinds:
+                    fn, fn_args = calls[kind]
+                    with _common.gpu_clocks() as clocks:
+                        times = _common.time_calls(fn, fn_args, args.reps)
+                    median = float(np.median(times))
+                    flops = bench_gemm.gemm_flops(g["stats"]["rows"], d0, d1)
+                    print(f"{args.tag:6s} {proj:8s} {kind:3s} {g['label']:22s} {median:8.3f} ms "
+                          f"{flops / median / 1e9:7.1f} TFLOP/s", flush=True)
+                    results.append({"proj": proj, "kind": kind, "grouping": g["label"],
+                                    "median_ms": median, "times_ms": times,
+                                    "gpu_clocks": clocks})
+            del w_local, w_slots
+    record = {"schema": "moonep_jax.ab_gemm/1", **_common.provenance(), "tag": args.tag,
+              "index": args.index, "reps": args.reps, "cpu_smoke": args.cpu_smoke,
+              "gpu_clocks_method": _common.CLOCKS_METHOD, "results": results}
+    _common.write_json(args.out / f"ab_gemm_{args.tag}_{args.index}.json", record)
+
+
+def compare(paths: list[pathlib.Path]) -> str:
+    """Per (projection, kind, grouping): each tag's mean median over its runs, in the order the
+    tags first appear, and the other tags in % of the first; then the sum over the calls."""
+    runs = [json.loads(p.read_text()) for p in sorted(paths)]
+    runs.sort(key=lambda r: r["index"])
+    tags = list(dict.fromkeys(r["tag"] for r in runs))
+    medians: dict[tuple, dict[str, list[float]]] = {}
+    for r in runs:
+        for res in r["results"]:
+            key = (res["proj"], res["kind"], res["grouping"])
+            medians.setdefault(key, {}).setdefault(r["tag"], []).append(res["median_ms"])
+    head = f"{'projection':10s} {'kind':4s} {'grouping':22s}" + "".join(
+        f" {t + ' ms':>10s}" for t in tags) + "".join(f" {t + ' %':>9s}" for t in tags[1:])
+    lines, totals = [head], {t: 0.0 for t in tags}
+    for key, by_tag in medians.items():
+        if set(by_tag) != set(tags):
+            continue  # a call some run did not time (failed or cut short)
+        mean = {t: float(np.mean(by_tag[t])) for t in tags}
+        for t in tags:
+            totals[t] += mean[t]
+        lines.append(f"{key[0]:10s} {key[1]:4s} {key[2]:22s}" +
+                     "".join(f" {mean[t]:10.3f}" for t in tags) +
+                     "".join(f" {100 * (mean[t] / mean[tags[0]] - 1):+8.1f}%" for t in tags[1:]))
+    lines.append(f"{'sum':38s}" + "".join(f" {totals[t]:10.3f}" for t in tags) +
+                 "".join(f" {100 * (totals[t] / totals[tags[0]] - 1):+8.1f}%" for t in tags[1:]))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="time the calls with this process's extension")
+    r.add_argument("--tag", required=True, help="the build's name in the comparison")
+    r.add_argument("--index", type=int, default=0, help="this run's place in the call order")
+    r.add_argument("--kinds", type=lambda s: s.split(","), default=list(KINDS),
+                   help=f"comma-separated, of {','.join(KINDS)}")
+    r.add_argument("--groupings", type=lambda s: s.split(","), required=True,
+                   help="comma-separated bench_gemm labels, e.g. 'R2 maxvio 0.2,R8 maxvio 1'")
+    r.add_argument("--reps", type=int, default=10)
+    r.add_argument("--plans", type=pathlib.Path, default=None,
+                   help="a bench_gemm record whose plans to use")
+    r.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, XLA stand-ins")
+    r.add_argument("--out", type=pathlib.Path, required=True)
+    c = sub.add_parser("compare", help="compare the runs' JSON files")
+    c.add_argument("paths", nargs="+", type=pathlib.Path)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        unknown = set(args.kinds) - set(KINDS)
+        if unknown:
+            parser.error(f"--kinds: {sorted(unknown)} not among {KINDS}")
+        run(args)
+    else:
+        print(compare(args.paths))
+
+
+if __name__ == "__main__":
+    main()
