@@ -112,6 +112,12 @@ FIRST_GROUP_BARRIER, LAG_BARRIER = 1, 3
 # has issued that many), so that one group's epilogue runs while the other still multiplies the
 # item's last K tiles. Both read every stage, so the lag must stay below the ring's stages.
 DW_LAG_K_TILES = 3
+# dW's bf16 epilogue stages this many ATOM_M x TILE_N blocks in shared memory (a multiple of
+# CONSUMER_GROUPS dividing DW_TILE_M // ATOM_M): the rest of the shared memory is the ring's. All
+# four blocks of a tile leave 6 ring stages; one block per warp group (the second waiting for the
+# first's store) leaves 8, and measured no faster (bench_gemm's dW at R = 2 and 8, in one call,
+# both process orders: -3 to +3 % with DW_LAG_K_TILES 3 or 5).
+DW_EPILOGUE_STAGES = 4
 
 
 def rows_num_items(c: cute.Tensor, num_tiles):
@@ -343,17 +349,20 @@ class GroupedMatmul:
         """
         self._setup(a, b, (DW_TILE_M, TILE_N, DW_TILE_K),
                     stage_bytes=(DW_TILE_M + TILE_N) * DW_TILE_K * a.element_type.width // 8,
-                    reserved_bytes=DW_TILE_M * TILE_N * a.element_type.width // 8)
+                    reserved_bytes=(DW_EPILOGUE_STAGES * ATOM_M * TILE_N
+                                    * a.element_type.width // 8))
         tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (DW_TILE_M, DW_TILE_K))
         tma_b, tma_tensor_b = self._tma_load(b, self.b_smem_staged, (TILE_N, DW_TILE_K))
         # The bf16 tiles of dw_local leave through shared memory and a TMA store, so that the
         # consumers go on to the next tile's MMAs while the store drains (their register
         # stores used to stall them for every tile: a dW item's K is one group's ~340 rows).
-        # Each warp group stages and stores its own ATOM_M-row blocks of the tile (block j of
-        # the tile is stage j), so neither waits for the other's epilogue.
+        # Each warp group stages and stores its own ATOM_M-row blocks of the tile (stages g,
+        # g + 2, ... are warp group g's), so neither waits for the other's epilogue.
         assert DW_LAG_K_TILES < self.num_stages, "warp group 0 would wait for warp group 1"
+        assert DW_EPILOGUE_STAGES % CONSUMER_GROUPS == 0
+        assert (DW_TILE_M // ATOM_M) % DW_EPILOGUE_STAGES == 0
         self.c_smem_staged = sm90_utils.make_smem_layout_epi(
-            self.ab_dtype, utils.LayoutEnum.ROW_MAJOR, (ATOM_M, TILE_N), DW_TILE_M // ATOM_M)
+            self.ab_dtype, utils.LayoutEnum.ROW_MAJOR, (ATOM_M, TILE_N), DW_EPILOGUE_STAGES)
         tma_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), dw_local,
             cute.slice_(self.c_smem_staged, (None, None, 0)), (ATOM_M, TILE_N))
@@ -373,10 +382,17 @@ class GroupedMatmul:
                  stream=stream)
 
     @cute.jit
-    def weight_grad_item(self, item: cutlass.Int32, mA: cute.Tensor, mB: cute.Tensor,
-                         dw_local: cute.Tensor, dw_slots: cute.Tensor, cu_seqlens: cute.Tensor,
-                         ep_rank: cute.Tensor, zero_unused_slots: cutlass.Int32):
-        """Work item -> (has_work, mat, m_tile, n_tile, rows, K tiles, gA, gB)."""
+    def weight_grad_item(self, item: cutlass.Int32, num_items: cutlass.Int32,
+                         dw_local: cute.Tensor, dw_partial: cute.Tensor, dw_slots: cute.Tensor,
+                         replica_flags: cute.Tensor, cu_seqlens: cute.Tensor,
+                         first_local_group: cutlass.Int32, zero_unused_slots: cutlass.Int32):
+        """Work item -> (has_work, mat, m_tile, n_tile, row_start, rows, to_partial): whether
+        it has anything to do, its output matrix, tile and group rows, and whether a local
+        expert's fp32 sum goes to `dw_partial`. An item past the last (the one after a CTA's
+        last) reads the last item's data, in bounds: the loops read an item's data one item
+        ahead, so that its loads land while the previous item multiplies (read on the way into
+        an item, they left the tensor pipes idle between items)."""
+        item = cutlass.min(item, num_items - 1)
         num_m_tiles = cute.ceil_div(cute.size(dw_local, mode=[0]), DW_TILE_M)
         num_n_tiles = cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N)
         n_tile = item % num_n_tiles
@@ -384,7 +400,7 @@ class GroupedMatmul:
         mat = item // (num_n_tiles * num_m_tiles)
         num_local = cute.size(dw_local, mode=[2])
         num_experts = cute.size(cu_seqlens, mode=[0]) - cute.size(dw_slots, mode=[2])
-        group = ep_rank[0] * num_local + mat
+        group = first_local_group + mat
         if mat >= num_local:
             group = num_experts + mat - num_local
         row_start = 0
@@ -397,30 +413,11 @@ class GroupedMatmul:
             if mat >= num_local:
                 if num_rows == 0:
                     has_work = 0
-        gA = cute.local_tile(cute.domain_offset((0, row_start), mA), (DW_TILE_M, DW_TILE_K),
-                             (m_tile, None))
-        gB = cute.local_tile(cute.domain_offset((0, row_start), mB), (TILE_N, DW_TILE_K),
-                             (n_tile, None))
-        return (has_work, mat, m_tile, n_tile, num_rows, cute.ceil_div(num_rows, DW_TILE_K), gA,
-                gB)
-
-    @cute.jit
-    def weight_grad_consumer_item(self, item: cutlass.Int32, num_items: cutlass.Int32,
-                                  mA: cute.Tensor, mB: cute.Tensor, dw_local: cute.Tensor,
-                                  dw_partial: cute.Tensor, dw_slots: cute.Tensor,
-                                  replica_flags: cute.Tensor, cu_seqlens: cute.Tensor,
-                                  ep_rank: cute.Tensor, zero_unused_slots: cutlass.Int32):
-        """Consumers' work item -> (has_work, mat, m_tile, n_tile, rows, K tiles, to_partial):
-        weight_grad_item's, and whether a local expert's fp32 sum goes to `dw_partial`. An item
-        past the last (the one after a CTA's last) reads the last item's data, in bounds."""
-        has_work, mat, m_tile, n_tile, num_rows, num_k_tiles, _, _ = self.weight_grad_item(
-            cutlass.min(item, num_items - 1), mA, mB, dw_local, dw_slots, cu_seqlens, ep_rank,
-            zero_unused_slots)
         to_partial = cutlass.Int32(0)
         if cute.size(dw_partial, mode=[2]) > 0:
-            if mat < cute.size(dw_local, mode=[2]):
+            if mat < num_local:
                 to_partial = replica_flags[mat]
-        return has_work, mat, m_tile, n_tile, num_rows, num_k_tiles, to_partial
+        return has_work, mat, m_tile, n_tile, row_start, num_rows, to_partial
 
     @cute.kernel
     def weight_grad_kernel(self, tiled_mma: cute.TiledMma, block_mma: cute.TiledMma,
@@ -439,6 +436,9 @@ class GroupedMatmul:
         sC = storage.sC.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
         num_items = weight_grad_num_items(dw_local, dw_slots)
         first_item, item_stride, warp_idx, tidx = persistent_cta()
+        # Everything weight_grad_item reads besides the item.
+        item_args = (num_items, dw_local, dw_partial, dw_slots, replica_flags, cu_seqlens,
+                     ep_rank[0] * cute.size(dw_local, mode=[2]), zero_unused_slots)
         if warp_idx < WARPS_PER_GROUP:
             cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
             if warp_idx == 0:
@@ -446,12 +446,18 @@ class GroupedMatmul:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
                 producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                         self.num_stages)
+                has_work, _, m_tile, n_tile, row_start, num_rows, _ = self.weight_grad_item(
+                    first_item, *item_args)
                 for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
-                    has_work, _, _, _, _, num_k_tiles, gA, gB = self.weight_grad_item(
-                        item, mA, mB, dw_local, dw_slots, cu_seqlens, ep_rank, zero_unused_slots)
+                    next_item = self.weight_grad_item(item + item_stride, *item_args)
                     if has_work != 0:
+                        gA = cute.local_tile(cute.domain_offset((0, row_start), mA),
+                                             (DW_TILE_M, DW_TILE_K), (m_tile, None))
+                        gB = cute.local_tile(cute.domain_offset((0, row_start), mB),
+                                             (TILE_N, DW_TILE_K), (n_tile, None))
                         producer = self.load(ab_pipeline, producer, tma_a, gA, sA, tma_b, gB, sB,
-                                             num_k_tiles)
+                                             cute.ceil_div(num_rows, DW_TILE_K))
+                    has_work, _, m_tile, n_tile, row_start, num_rows, _ = next_item
                 ab_pipeline.producer_tail(producer)
         else:
             cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
@@ -474,20 +480,14 @@ class GroupedMatmul:
                 lag_left = cutlass.Int32(DW_LAG_K_TILES)
             else:
                 cute.arch.barrier(barrier_id=LAG_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
-            # The next item's group (and replica flag) is read while this one multiplies: read on
-            # the way into an item, these loads left the tensor pipes idle between items.
-            has_work, mat, m_tile, n_tile, num_rows, num_k_tiles, to_partial = (
-                self.weight_grad_consumer_item(first_item, num_items, mA, mB, dw_local,
-                                               dw_partial, dw_slots, replica_flags, cu_seqlens,
-                                               ep_rank, zero_unused_slots))
+            has_work, mat, m_tile, n_tile, _, num_rows, to_partial = self.weight_grad_item(
+                first_item, *item_args)
             for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
-                next_item = self.weight_grad_consumer_item(
-                    item + item_stride, num_items, mA, mB, dw_local, dw_partial, dw_slots,
-                    replica_flags, cu_seqlens, ep_rank, zero_unused_slots)
+                next_item = self.weight_grad_item(item + item_stride, *item_args)
                 if has_work != 0:
                     read, release, lag_left = self.consume(
                         ab_pipeline, read, release, tiled_mma, tCrA, tCrB, accumulators, sA, sB,
-                        num_k_tiles, num_rows, group, lag_left)
+                        cute.ceil_div(num_rows, DW_TILE_K), num_rows, group, lag_left)
                     cC = cute.local_tile(cute.make_identity_tensor((d0, d1)), (DW_TILE_M, TILE_N),
                                          (m_tile, n_tile))
                     if mat < num_local:
@@ -504,7 +504,7 @@ class GroupedMatmul:
                         gC = cute.local_tile(dw_slots[None, None, mat - num_local],
                                              (DW_TILE_M, TILE_N), (m_tile, n_tile))
                         self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
-                has_work, mat, m_tile, n_tile, num_rows, num_k_tiles, to_partial = next_item
+                has_work, mat, m_tile, n_tile, _, num_rows, to_partial = next_item
             # A CTA with fewer K tiles than the lag still lets warp group 1 go.
             if lag_left > 0:
                 cute.arch.barrier_arrive(barrier_id=LAG_BARRIER,
@@ -794,19 +794,15 @@ class GroupedMatmul:
         """Store the accumulators to `gC` where the coordinate in `cC` is below the limits (dW:
         absolute coordinates and the matrix shape, or the staged tile's own).
 
-        A thread's WGMMA accumulators come in pairs of adjacent columns; each pair is stored with
-        one vector store (64-bit fp32, 32-bit bf16) instead of two scalar ones. Pairs are aligned
-        and never straddle a limit: every column limit and row stride is a multiple of 8 elements
-        (`ALIGN_ELEMS`, checked by the launchers), and a pair starts at an even column.
+        Pair stores (`pair_store_atom`) are aligned and never straddle a limit: every column
+        limit and row stride is a multiple of 8 elements (`ALIGN_ELEMS`, checked by the
+        launchers), and a pair starts at an even column.
         """
         thr_mma = tiled_mma.get_slice(thread)
         tCgC = cute.zipped_divide(thr_mma.partition_C(gC), (2,))  # ((pair), (pairs))
         tCcC = cute.zipped_divide(thr_mma.partition_C(cC), (2,))
-        values = cute.make_rmem_tensor(accumulators.shape, gC.element_type)
-        values.store(accumulators.load().to(gC.element_type))
-        tCrC = cute.zipped_divide(values, (2,))
-        pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), gC.element_type,
-                                         num_bits_per_copy=2 * gC.element_type.width)
+        tCrC = cute.zipped_divide(self.rounded(accumulators, gC.element_type), (2,))
+        pair_store = self.pair_store_atom(gC.element_type)
         for j in cutlass.range_constexpr(cute.size(tCgC, mode=[1])):
             row, col = tCcC[(0, j)]
             if row < row_limit and col < col_limit:
@@ -834,9 +830,7 @@ class GroupedMatmul:
         # register order of a WGMMA accumulator).
         tCcC = cute.zipped_divide(
             thr_mma.partition_C(cute.make_identity_tensor((A_CHUNK_M, TILE_N))), (2,))
-        values = cute.make_rmem_tensor(accumulators.shape, gC.element_type)
-        values.store(accumulators.load().to(gC.element_type))
-        pairs = cute.recast_tensor(values, cutlass.Int32)
+        pairs = cute.recast_tensor(self.rounded(accumulators, gC.element_type), cutlass.Int32)
         segment_elems = 128 // gC.element_type.width
         blocks = TILE_N // segment_elems
         assert cute.size(pairs) == 2 * blocks, "one ATOM_M-row block per warp group and chunk"
@@ -866,39 +860,53 @@ class GroupedMatmul:
                              sC: cute.Tensor, group: cutlass.Int32, gC: cute.Tensor):
         """Consumer warp group `group`: store its accumulators (one ATOM_M-row block of the tile
         per MMA row, block `2m + group` for row m) to the tile `gC` of a TMA tensor: registers ->
-        stage `2m + group` of `sC` (`block_mma` is one warp group's view of a block), then one
-        TMA store per block that runs while the group goes on. The group's previous stores must
-        have read its stages before they are written again; that wait is deferred to here, one
-        item later, so it is normally already over. TMA clips the blocks at the tensor's bounds.
-
-        A thread's WGMMA accumulators come in pairs of adjacent columns; each pair is stored with
-        one 32-bit store (16-byte segments made dW 1-9 % slower, store_segments)."""
-        if storer:
-            c_stores.producer_acquire()
-        self.group_barrier(group)
+        its stages of `sC` (stages `group`, `group + 2`, ...; `block_mma` is one warp group's view
+        of a block), then one TMA store per block that runs while the group goes on. Before its
+        stages are written again, the group's previous stores must have read them: with a stage
+        per block that wait falls one item later, normally already over; with fewer, the next
+        blocks of the item wait for the first ones' stores. TMA clips at the tensor's bounds."""
         thr_mma = block_mma.get_slice(thread % THREADS_PER_GROUP)
-        values = cute.make_rmem_tensor(accumulators.shape, sC.element_type)
-        values.store(accumulators.load().to(sC.element_type))
-        pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sC.element_type,
-                                         num_bits_per_copy=2 * sC.element_type.width)
-        mma_rows = cute.size(values, mode=[1])
-        for m in cutlass.range_constexpr(mma_rows):
-            tCsC = cute.zipped_divide(
-                thr_mma.partition_C(sC[None, None, CONSUMER_GROUPS * m + group]), (2,))
-            tCrC = cute.zipped_divide(values[None, m, 0], (2,))
-            for j in cutlass.range_constexpr(cute.size(tCsC, mode=[1])):
-                cute.copy(pair_store, tCrC[(None, j)], tCsC[(None, j)])
-        # The TMA unit reads shared memory through the async proxy.
-        cute.arch.fence_proxy("async.shared", space="cta")
-        self.group_barrier(group)
-        if storer:
-            sC_for_tma, gC_for_tma = cute.nvgpu.cpasync.tma_partition(
-                tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
-                cute.zipped_divide(gC, (ATOM_M, TILE_N)))
-            for m in cutlass.range_constexpr(mma_rows):
-                block = CONSUMER_GROUPS * m + group
-                cute.copy(tma_c, sC_for_tma[(None, block)], gC_for_tma[(None, block)])
-            c_stores.producer_commit()
+        values = self.rounded(accumulators, sC.element_type)
+        pair_store = self.pair_store_atom(sC.element_type)
+        blocks = cute.size(values, mode=[1])
+        stages = DW_EPILOGUE_STAGES // CONSUMER_GROUPS  # of this warp group
+        sC_for_tma, gC_for_tma = cute.nvgpu.cpasync.tma_partition(
+            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+            cute.zipped_divide(gC, (ATOM_M, TILE_N)))
+        for first in cutlass.range_constexpr(0, blocks, stages):
+            if storer:
+                c_stores.producer_acquire()
+            self.group_barrier(group)
+            for m in cutlass.range_constexpr(first, first + stages):
+                tCsC = cute.zipped_divide(
+                    thr_mma.partition_C(sC[None, None, CONSUMER_GROUPS * (m - first) + group]),
+                    (2,))
+                tCrC = cute.zipped_divide(values[None, m, 0], (2,))
+                for j in cutlass.range_constexpr(cute.size(tCsC, mode=[1])):
+                    cute.copy(pair_store, tCrC[(None, j)], tCsC[(None, j)])
+            # The TMA unit reads shared memory through the async proxy.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.group_barrier(group)
+            if storer:
+                for m in cutlass.range_constexpr(first, first + stages):
+                    cute.copy(tma_c, sC_for_tma[(None, CONSUMER_GROUPS * (m - first) + group)],
+                              gC_for_tma[(None, CONSUMER_GROUPS * m + group)])
+                c_stores.producer_commit()
+
+    @staticmethod
+    def rounded(accumulators: cute.Tensor, dtype):
+        """The accumulators rounded to `dtype`, in registers of the same layout."""
+        values = cute.make_rmem_tensor(accumulators.shape, dtype)
+        values.store(accumulators.load().to(dtype))
+        return values
+
+    @staticmethod
+    def pair_store_atom(dtype):
+        """A store of a pair of adjacent accumulator columns: a thread's WGMMA accumulators come
+        in such pairs, and one vector store (64-bit fp32, 32-bit bf16) replaces two scalar ones
+        (16-byte segments, as store_segments stores, made dW's staged stores 1-9 % slower)."""
+        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype,
+                                   num_bits_per_copy=2 * dtype.width)
 
 
 QUAD = 4  # lanes of a WGMMA accumulator row (each holds 2 of every 8 columns)
