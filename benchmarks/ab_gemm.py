@@ -24,7 +24,6 @@ import pathlib
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -62,19 +61,12 @@ def run(args) -> None:
     m = shape["S"] * plan_groupings.K
     selected = groupings(args, shape, gemm.tile_m())
     results = []
-    for pi, (proj, (d0, d1)) in enumerate({"gate_up": (h, 2 * f), "down": (f, h)}.items()):
+    for pi, (proj, (d0, d1)) in enumerate(bench_gemm.projection_shapes(h, f).items()):
         for epn in sorted({g["epn"] for g in selected}, reverse=True):
             x, dy, w_local, w_slots = bench_gemm.draw(jax.random.key(pi), m, d0, d1, epn)
-            fwd = jax.jit(gemm.grouped_matmul_of_groups)
-            dx = jax.jit(gemm.grouped_matmul_dx_of_groups)
+            moonep = bench_gemm.MoonepCalls(gemm, epn)
             for g in (g for g in selected if g["epn"] == epn):
-                cu = jnp.asarray(np.cumsum(g["sizes"]), jnp.int32)
-                rank = jnp.array([g["rank"]], jnp.int32)
-                dw, _ = bench_gemm.dw_call(gemm, g["R"], epn, epn)
-                calls = {"fwd": (fwd, (x, w_local, w_slots, cu, rank)),
-                         "dx": (dx, (dy, w_local, w_slots, cu, rank)),
-                         "dw": (dw, (x, dy, cu, rank,
-                                     jnp.asarray(g["experts_to_copy"], jnp.int32)))}
+                calls = moonep.at(g, x, dy, w_local, w_slots)
                 for kind in args.kinds:
                     fn, fn_args = calls[kind]
                     with _common.gpu_clocks() as clocks:

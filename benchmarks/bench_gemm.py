@@ -181,6 +181,12 @@ def all_groupings(plans: dict, m_synthetic: int, tile_m: int) -> list[dict]:
 # ---- the timed calls ----------------------------------------------------------------------------
 
 
+def projection_shapes(h: int, f: int) -> dict[str, tuple[int, int]]:
+    """`{projection: (D0, D1)}`, each an [M, D0] x [D0, D1] product: gate+up (K = H, N = 2F) and
+    down (K = F, N = H)."""
+    return {"gate_up": (h, 2 * f), "down": (f, h)}
+
+
 def dw_call(gemm, R: int, epn: int, num_slots: int):
     """`(jitted fn(x, dy, cu_seqlens, ep_rank, experts_to_copy), how)`: `grouped_matmul_dw` as
     moe_ffn's backward calls it: (bf16 local, fp32 partials, fp32 slots) with
@@ -196,6 +202,34 @@ def dw_call(gemm, R: int, epn: int, num_slots: int):
     how = (f"grouped_matmul_dw(x, dy, cu, rank, experts_to_copy, {epn}, {partials}, {slots}, "
            "zero_unused_slots=False)")
     return jax.jit(call), how
+
+
+class MoonepCalls:
+    """The grouped GEMM's three timed calls on one weight layout (`draw`'s operands with `epn`
+    local experts and B = epn slots): `at(g, ...)` is `{kind: (jitted fn, args)}` for "fwd", "dx"
+    and "dw" (as moe_ffn's backward calls it: `dw_call`) at grouping `g` of the layout. The
+    layout's groupings share the jitted functions (dW's per R)."""
+
+    def __init__(self, gemm, epn: int):
+        self.gemm, self.epn = gemm, epn
+        self.fwd = jax.jit(gemm.grouped_matmul_of_groups)
+        self.dx = jax.jit(gemm.grouped_matmul_dx_of_groups)
+        self._dw: dict = {}
+
+    def dw(self, R: int):
+        """`dw_call`'s `(jitted fn, how)` for a grouping of R ranks."""
+        if R not in self._dw:
+            self._dw[R] = dw_call(self.gemm, R, self.epn, self.epn)
+        return self._dw[R]
+
+    def at(self, g: dict, x, dy, w_local, w_slots) -> dict:
+        """`{kind: (jitted fn, args)}` at grouping `g`, on the layout's operands."""
+        cu = jnp.asarray(np.cumsum(g["sizes"]), jnp.int32)
+        rank = jnp.array([g["rank"]], jnp.int32)
+        slots = jnp.asarray(g["experts_to_copy"], jnp.int32)
+        return {"fwd": (self.fwd, (x, w_local, w_slots, cu, rank)),
+                "dx": (self.dx, (dy, w_local, w_slots, cu, rank)),
+                "dw": (self.dw(g["R"])[0], (x, dy, cu, rank, slots))}
 
 
 def out_avals(fn, *args) -> list[dict]:
@@ -415,7 +449,7 @@ def main():
     outs = ([] if args.cpu_smoke else [pathlib.Path(__file__).parent / "results"]) + (
         [args.out] if args.out else [])
 
-    projections = {"gate_up": (h, 2 * f), "down": (f, h)}
+    projections = projection_shapes(h, f)
 
     def write():
         for proj, (d0, d1) in projections.items():
@@ -445,32 +479,12 @@ def main():
             if dense_operands is None:
                 dense_operands = (x, dy, w_local[0])
                 time_dense(proj, *dense_operands, args.reps, results, "before")
-            fwd = jax.jit(gemm.grouped_matmul_of_groups)
-            dx = jax.jit(gemm.grouped_matmul_dx_of_groups)
-            dws = {}
+            moonep = MoonepCalls(gemm, epn)
             for g in layout:
-                R = g["R"]
-                if R not in dws:
-                    dws[R] = dw_call(gemm, R, epn, epn)
-                dw, dw_how = dws[R]
-                cu = jnp.asarray(np.cumsum(g["sizes"]), jnp.int32)
-                rank = jnp.array([g["rank"]], jnp.int32)
-                slots = jnp.asarray(g["experts_to_copy"], jnp.int32)
-                rows = g["stats"]["rows"]
-                flops = gemm_flops(rows, d0, d1)
+                flops = gemm_flops(g["stats"]["rows"], d0, d1)
                 info = grouping_record(g)
-                dw_args = (x, dy, cu, rank, slots)
-                dw_out = out_avals(dw, *dw_args)
-                record["dw"][f"{proj}/R{R}_E{g['E']}"] = {"call": dw_how, "outputs": dw_out}
-                dw_dense = "dw_bf16" if dw_out[0]["dtype"] == "bfloat16" else "dw_fp32"
-                for kind, fn, a, ref in (("fwd", fwd, (x, w_local, w_slots, cu, rank), "fwd"),
-                                         ("dx", dx, (dy, w_local, w_slots, cu, rank), "dx"),
-                                         ("dw", dw, dw_args, dw_dense)):
-                    r = measure(f"{proj}/moonep_{kind}", fn, a, args.reps, flops, **info,
-                                dense_reference=f"{proj}/dense_{ref}")
-                    if kind == "dw":
-                        r["dw_outputs"] = dw_out
-                    results.append(r)
+                time_moonep(proj, g, moonep, (x, dy, w_local, w_slots), flops, info, args.reps,
+                            results, record)
                 if args.ragged_dot and g["kind"] == "real_plan" and g.get("maxvio_target") == 1:
                     lhs, rhs, gs = mgpu_operands(g, x, w_local, w_slots)
                     results.append(measure(f"{proj}/ragged_dot_fwd",
@@ -493,6 +507,28 @@ def main():
     write()
     print_table(results)
     print(f"wrote {', '.join(str(o / stem) + '.json' for o in outs) or 'nothing (cpu smoke)'}")
+
+
+def time_moonep(proj: str, g: dict, moonep: MoonepCalls, operands: tuple, flops: float,
+                info: dict, reps: int, results: list, record: dict) -> None:
+    """Times moonep's fwd, dX and dW at grouping `g` on `operands` (x, dy, w_local, w_slots)
+    against their dense references (dW against the dense dW of the dtype the kernel writes for the
+    local experts), and records how dW was called and what it wrote. (A function, so that the
+    calls' references to the weights end with it: main's `del w_local, w_slots` then frees them
+    before the next layout's draw.)"""
+    calls = moonep.at(g, *operands)
+    dw, dw_args = calls["dw"]
+    dw_out = out_avals(dw, *dw_args)
+    record["dw"][f"{proj}/R{g['R']}_E{g['E']}"] = {"call": moonep.dw(g["R"])[1],
+                                                    "outputs": dw_out}
+    refs = {"fwd": "fwd", "dx": "dx",
+            "dw": "dw_bf16" if dw_out[0]["dtype"] == "bfloat16" else "dw_fp32"}
+    for kind, (fn, a) in calls.items():
+        r = measure(f"{proj}/moonep_{kind}", fn, a, reps, flops, **info,
+                    dense_reference=f"{proj}/dense_{refs[kind]}")
+        if kind == "dw":
+            r["dw_outputs"] = dw_out
+        results.append(r)
 
 
 DENSE_KINDS = {

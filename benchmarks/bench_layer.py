@@ -41,8 +41,9 @@ the dense floor measured in the same process (the same S*K rows through ONE dens
 dense GEMMs, `jax.value_and_grad`), their ratio, each point's groups and M tiles, and the memory of
 the compiled step. Median of --reps (20) after 2 warm-ups, the four points timed round-robin
 (call i of every point before call i + 1 of any: timed one point after another, the later calls
-of the last points ran up to 7 % slower than their first ones); about a minute of GPU time after
-compiles. `--ncu` first re-runs exactly one step under ncu (the recipe of
+of the last points ran up to 7 % slower than their first ones), so the GPU's clocks are one window
+per method over all four (the record's `gpu_clocks_of_all_points`); about a minute of GPU time
+after compiles. `--ncu` first re-runs exactly one step under ncu (the recipe of
 shared/examples/profile_layer/run_ncu.sh; needs ncu and CuPy or libnvToolsExt) and folds the
 per-kernel times into the record by category (grouped GEMM fwd/dX, dW, converts, reduce_grad,
 dispatch/combine, rest); the raw CSV goes to
@@ -692,6 +693,9 @@ def main_one_gpu(args) -> None:
               "timing": "median wall ms of reps calls of the compiled step after 2 warm-up calls, "
                         "each until ready; the maxvio points timed round-robin (call i of every "
                         "point before call i+1 of any: benchmarks/_common.py time_round_robin)",
+              # Per method, one window over its round-robin timing: the points' calls
+              # interleave, so no point has clocks of its own.
+              "gpu_clocks_of_all_points": {},
               "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
               "xla_flags": os.environ.get("XLA_FLAGS"),
               "routing": ONE_GPU_ROUTING,
@@ -737,9 +741,9 @@ def main_one_gpu(args) -> None:
         except Exception as e:  # noqa: BLE001  (recorded, the other method still runs)
             results = [{"status": f"failed: {type(e).__name__}: {str(e)[:400]}"}] * len(MAXVIOS)
             clocks = {"status": "not timed"}
+        record["gpu_clocks_of_all_points"][name] = clocks
         for point, result in zip(record["points"], results):
-            point["results"].append({"method": name, **result,
-                                     "gpu_clocks_of_all_points": clocks})
+            point["results"].append({"method": name, **result})
             print(f"maxvio {point['maxvio_target']:5.1f} {name:15s} "
                   f"{result.get('median_ms', float('nan')):9.3f} ms {result['status'][:120]}",
                   flush=True)
