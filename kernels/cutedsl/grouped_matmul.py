@@ -65,7 +65,12 @@ so that one group's epilogue can overlap the other's last K tiles of an item (be
 dW groupings, A/B in both process orders: gate_up 1-4 % faster at R <= 2 and 1 % at R = 8, down
 within +-2 %). Tried and not kept: pingpong warp groups on 128 x 128 items of their own (17-25 %
 slower: a third more operand bytes per FLOP through L2, the kernel ran at the same ~6 TB/s from
-L2 either way) and 256 x 192 or 256 x 160 tiles (fewer bytes per FLOP, fewer stages: within +-5 %).
+L2 either way), 256 x 192 or 256 x 160 tiles (fewer bytes per FLOP, fewer stages: within +-5 %),
+and, each within +-3 % summed over bench_gemm's dW groupings: 2-CTA clusters taking adjacent N
+tiles with the A tile multicast (a third fewer bytes from L2), 128 x 256 tiles of 64 x 256
+WGMMAs (a sixth fewer operand reads from shared memory), lags of 1 or 2 K tiles, 8 ring stages.
+At R = 2 the kernel is bound by no one of these streams: left without its WGMMAs it still takes
+78-90 % of its time, without its output stores 88-92 % (README, grouped GEMM).
 """
 
 import cuda.bindings.driver as cuda
