@@ -319,12 +319,27 @@ class MgpuStandIn:
 # ---- measuring ----------------------------------------------------------------------------------
 
 
-def measure(name, fn, args, reps, flops, **extra) -> dict:
-    """Time `fn(*args)`; a method that cannot run is recorded with its error. Prints as it goes."""
+def measure(name, fn, args, reps, flops, interleaved_with=None, **extra) -> dict:
+    """Time `fn(*args)`; a method that cannot run is recorded with its error. Prints as it goes.
+
+    With `interleaved_with = (dense fn, its args)`, the two are timed in turn, call i of each
+    before call i + 1 of either (`_common.time_round_robin`), and the result also holds the dense
+    call's times (`dense_interleaved_times_ms`, its median `dense_interleaved_ms`) and
+    `pct_of_dense_interleaved`, the ratio of the two medians: both then run in the same power
+    state of the GPU, which holds its power limit by its clock (the dense references timed in
+    blocks of their own ran at up to 1980 MHz while the grouped GEMMs' blocks ran at 1320-1935)."""
     t0 = time.perf_counter()
     try:
         with _common.gpu_clocks() as clocks:
-            times = _common.time_calls(fn, args, reps)
+            if interleaved_with is None:
+                times, dense_times = _common.time_calls(fn, args, reps), None
+            else:
+                timed = _common.time_round_robin(lambda f, a: f(*a),
+                                                 [(fn, args), interleaved_with], reps)
+                failed = [t["status"] for t in timed if t["status"] != "ok"]
+                if failed:
+                    raise RuntimeError(failed[0])
+                times, dense_times = (t["times_ms"] for t in timed)
     except Exception as e:  # noqa: BLE001
         msg = f"{type(e).__name__}: {str(e)}"
         print(f"{name:24s} {extra.get('grouping', ''):>20} failed: {msg.splitlines()[0][:160]}",
@@ -334,8 +349,13 @@ def measure(name, fn, args, reps, flops, **extra) -> dict:
     result = {"name": name, "times_ms": times, "median_ms": median,
               "tflops": flops / (median * 1e-3) / 1e12, "seconds": time.perf_counter() - t0,
               "gpu_clocks": clocks, **extra}
-    print(f"{name:24s} {extra.get('grouping', ''):>20} {median:8.3f} ms "
-          f"{result['tflops']:7.1f} TFLOP/s", flush=True)
+    line = f"{median:8.3f} ms {result['tflops']:7.1f} TFLOP/s"
+    if dense_times is not None:
+        dense_median = float(np.median(dense_times))
+        result.update(dense_interleaved_times_ms=dense_times, dense_interleaved_ms=dense_median,
+                      pct_of_dense_interleaved=100 * dense_median / median)
+        line += f" ({result['pct_of_dense_interleaved']:.0f} % of dense in turn)"
+    print(f"{name:24s} {extra.get('grouping', ''):>20} {line}", flush=True)
     return result
 
 
@@ -431,7 +451,10 @@ def main():
               "dtype": "bfloat16", "quick": args.quick, "cpu_smoke": args.cpu_smoke,
               "reps": args.reps, "tile_m": tile_m, "gpu_clocks": _common.CLOCKS_METHOD,
               "timing": "median wall ms of --reps calls "
-              "after one warm-up, each until ready (benchmarks/_common.py time_calls)",
+              "after one warm-up, each until ready (benchmarks/_common.py time_calls); each "
+              "moonep call is timed in turn with its dense reference (time_round_robin: "
+              "pct_of_dense_interleaved), and pct_of_dense is against the dense references "
+              "timed apart, before and after the projection's grouped GEMMs",
               "groupings_source": plans_source, "planning_seconds": plan_seconds,
               "timed_rank": "the rank with the most M tiles (then rows, then lowest rank)",
               "ragged_dot": "timed" if args.ragged_dot else f"not run: {RAGGED_DOT_NOTE}",
@@ -477,14 +500,15 @@ def main():
             layout = [g for g in groupings if g["epn"] == epn]
             x, dy, w_local, w_slots = draw(jax.random.key(10 * pi + li), m, d0, d1, epn)
             if dense_operands is None:
-                dense_operands = (x, dy, w_local[0])
-                time_dense(proj, *dense_operands, args.reps, results, "before")
+                dense_operands = dense_calls(x, dy, w_local[0])
+                time_dense(proj, dense_operands, m, gemm_flops(m, d0, d1), args.reps, results,
+                           "before")
             moonep = MoonepCalls(gemm, epn)
             for g in layout:
                 flops = gemm_flops(g["stats"]["rows"], d0, d1)
                 info = grouping_record(g)
-                time_moonep(proj, g, moonep, (x, dy, w_local, w_slots), flops, info, args.reps,
-                            results, record)
+                time_moonep(proj, g, moonep, (x, dy, w_local, w_slots), dense_operands, flops,
+                            info, args.reps, results, record)
                 if args.ragged_dot and g["kind"] == "real_plan" and g.get("maxvio_target") == 1:
                     lhs, rhs, gs = mgpu_operands(g, x, w_local, w_slots)
                     results.append(measure(f"{proj}/ragged_dot_fwd",
@@ -500,7 +524,8 @@ def main():
                          budget, args.reps, results, record, write)
             del w_local, w_slots
             write()
-        time_dense(proj, *dense_operands, args.reps, results, "after")
+        time_dense(proj, dense_operands, m, gemm_flops(m, d0, d1), args.reps, results,
+                   "after")
         write()
         del x, dy, dense_operands
 
@@ -509,13 +534,13 @@ def main():
     print(f"wrote {', '.join(str(o / stem) + '.json' for o in outs) or 'nothing (cpu smoke)'}")
 
 
-def time_moonep(proj: str, g: dict, moonep: MoonepCalls, operands: tuple, flops: float,
-                info: dict, reps: int, results: list, record: dict) -> None:
-    """Times moonep's fwd, dX and dW at grouping `g` on `operands` (x, dy, w_local, w_slots)
-    against their dense references (dW against the dense dW of the dtype the kernel writes for the
-    local experts), and records how dW was called and what it wrote. (A function, so that the
-    calls' references to the weights end with it: main's `del w_local, w_slots` then frees them
-    before the next layout's draw.)"""
+def time_moonep(proj: str, g: dict, moonep: MoonepCalls, operands: tuple, dense: dict,
+                flops: float, info: dict, reps: int, results: list, record: dict) -> None:
+    """Times moonep's fwd, dX and dW at grouping `g` on `operands` (x, dy, w_local, w_slots),
+    each in turn with its dense reference of `dense` (`dense_calls`; dW's is the dense dW of the
+    dtype the kernel writes for the local experts), and records how dW was called and what it
+    wrote. (A function, so that the calls' references to the weights end with it: main's
+    `del w_local, w_slots` then frees them before the next layout's draw.)"""
     calls = moonep.at(g, *operands)
     dw, dw_args = calls["dw"]
     dw_out = out_avals(dw, *dw_args)
@@ -525,7 +550,8 @@ def time_moonep(proj: str, g: dict, moonep: MoonepCalls, operands: tuple, flops:
             "dw": "dw_bf16" if dw_out[0]["dtype"] == "bfloat16" else "dw_fp32"}
     for kind, (fn, a) in calls.items():
         r = measure(f"{proj}/moonep_{kind}", fn, a, reps, flops, **info,
-                    dense_reference=f"{proj}/dense_{refs[kind]}")
+                    dense_reference=f"{proj}/dense_{refs[kind]}",
+                    interleaved_with=dense[refs[kind]])
         if kind == "dw":
             r["dw_outputs"] = dw_out
         results.append(r)
@@ -540,14 +566,23 @@ DENSE_KINDS = {
 }
 
 
-def time_dense(proj: str, x, dy, w, reps: int, results: list, phase: str) -> None:
-    """Times every dense reference of `proj` (`phase` "before" or "after" its grouped GEMMs) and
-    appends the results."""
-    m, (d0, d1) = x.shape[0], w.shape
+def dense_calls(x, dy, w) -> dict:
+    """`{kind: (jitted fn, args)}` of the dense references on `x [M, D0]`, `dy [M, D1]` and one
+    weight `w [D0, D1]`."""
+    calls = {}
     for kind, operands in DENSE_KINDS.items():
         fn, a = operands(x, dy, w)
-        results.append(measure(f"{proj}/dense_{kind}", jax.jit(fn), a, reps,
-                               gemm_flops(m, d0, d1), M=m, kind="dense", phase=phase))
+        calls[kind] = (jax.jit(fn), a)
+    return calls
+
+
+def time_dense(proj: str, dense: dict, m: int, flops: float, reps: int, results: list,
+               phase: str) -> None:
+    """Times every dense reference of `proj` (`dense_calls` on `m` rows, `flops` each; `phase`
+    "before" or "after" its grouped GEMMs) and appends the results."""
+    for kind, (fn, a) in dense.items():
+        results.append(measure(f"{proj}/dense_{kind}", fn, a, reps, flops, M=m, kind="dense",
+                               phase=phase))
 
 
 def gemm_flops(m: int, d0: int, d1: int) -> float:
@@ -668,12 +703,12 @@ def print_table(results: list[dict]) -> None:
         row = cells.setdefault((proj, r["grouping"]), {"m_tiles": r.get("m_tiles"),
                                                        "groups": r.get("nonempty_groups")})
         if "tflops" in r:
-            pct = f" ({r['pct_of_dense']:.0f}%)" if "pct_of_dense" in r else ""
-            row[method] = f"{r['tflops']:.0f}{pct}"
+            pcts = [f"{r[k]:.0f}%" for k in ("pct_of_dense", "pct_of_dense_interleaved") if k in r]
+            row[method] = f"{r['tflops']:.0f}" + (f" ({' / '.join(pcts)})" if pcts else "")
         else:
             row[method] = "failed" if "error" in r else "skipped"
     cols = ("moonep_fwd", "moonep_dx", "moonep_dw", "mgpu_fwd", "mgpu_dx")
-    print("TFLOP/s (% of dense), as a README table:")
+    print("TFLOP/s (% of dense timed apart / % of dense timed in turn), as a README table:")
     print("| projection | grouping | non-empty groups | M tiles | " + " | ".join(cols) + " |")
     print("|---" * (4 + len(cols)) + "|")
     for (proj, label), row in cells.items():

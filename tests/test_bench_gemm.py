@@ -46,6 +46,11 @@ def test_bench_gemm_cpu_smoke_times_every_call(tmp_path):
                 ref = r["dense_reference"].replace("/dense_", "/")
                 assert r["pct_of_dense"] == pytest.approx(100 * r["tflops"]
                                                           / record["dense_tflops"][ref])
+                # ... and against its dense reference timed in turn with it, call by call.
+                assert len(r["dense_interleaved_times_ms"]) == len(r["times_ms"]) == record["reps"]
+                assert r["dense_interleaved_ms"] == np.median(r["dense_interleaved_times_ms"])
+                assert r["pct_of_dense_interleaved"] == pytest.approx(
+                    100 * r["dense_interleaved_ms"] / r["median_ms"])
 
 
 def _dims(record, proj):
