@@ -27,8 +27,10 @@ and in EP=2's layout (576 groups):
 
 Baselines in the same process: dense `jnp.dot` of the same M rows (forward x @ W, dX dy @ W^T,
 dW x^T dy with bf16 and with fp32 output; % of dense compares dW with the dense dW of the dtype
-the kernel writes for the local experts; each timed before and after the projection's grouped
-GEMMs, and % of dense taken at the median over both, `dense_tflops`), and
+the kernel writes for the local experts; each timed in blocks of its own before and after the
+projection's grouped GEMMs, % of dense taken at the median over both, `dense_tflops`, and timed
+again in turn with every grouped call, `pct_of_dense_interleaved`, so that both run at the same
+clock of a GPU at its power limit), and
 `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` (forward; dX with transpose_rhs=True;
 it has no dW) over the non-empty groups only (its grid has one M slot per group, so empty groups
 would cost it whole wasted tiles), best of a small tile-config sweep at R=2 maxvio 1 (MGPU_CONFIGS
