@@ -45,12 +45,24 @@ foreach(_prefix IN LISTS MOONEP_CUTEDSL_PREFIXES)
        "${MOONEP_CUTEDSL_INCLUDE_DIR}/${_prefix}.o" "${MOONEP_CUTEDSL_INCLUDE_DIR}/${_prefix}.h")
 endforeach()
 
+# A tuning variant's constants (build_aot.py --override; tools/gpu.sh build-variant), empty for
+# the committed build. Their file changes with them, so the kernels are rebuilt both ways.
+set(MOONEP_CUTEDSL_OVERRIDES "" CACHE STRING
+    "NAME=VALUE;... integer constants of the CuTe DSL kernels to override (tuning variants only)")
+set(_moonep_cutedsl_override_args "")
+foreach(_override IN LISTS MOONEP_CUTEDSL_OVERRIDES)
+  list(APPEND _moonep_cutedsl_override_args --override "${_override}")
+endforeach()
+set(_moonep_cutedsl_overrides_file "${MOONEP_CUTEDSL_INCLUDE_DIR}/overrides.txt")
+file(CONFIGURE OUTPUT "${_moonep_cutedsl_overrides_file}" CONTENT "${MOONEP_CUTEDSL_OVERRIDES}\n")
+
 file(GLOB _moonep_cutedsl_sources CONFIGURE_DEPENDS "${_moonep_cutedsl_dir}/*.py")
 add_custom_command(
   OUTPUT ${_moonep_cutedsl_outputs}
   COMMAND "${Python_EXECUTABLE}" "${_moonep_cutedsl_dir}/build_aot.py"
           --out "${MOONEP_CUTEDSL_INCLUDE_DIR}" --arch "${MOONEP_CUTEDSL_ARCH}"
-  DEPENDS ${_moonep_cutedsl_sources}
+          ${_moonep_cutedsl_override_args}
+  DEPENDS ${_moonep_cutedsl_sources} "${_moonep_cutedsl_overrides_file}"
   COMMENT "CuTe DSL: compiling ${MOONEP_CUTEDSL_PREFIXES} ahead of time for ${MOONEP_CUTEDSL_ARCH}"
   VERBATIM)
 set_source_files_properties(${MOONEP_CUTEDSL_OBJECTS} PROPERTIES EXTERNAL_OBJECT TRUE GENERATED TRUE)

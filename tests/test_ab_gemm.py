@@ -50,3 +50,33 @@ def test_run_times_the_chosen_calls_and_compare_lines_up_the_tags(tmp_path):
         assert float(fields[-1].rstrip("%")) == pytest.approx(
             100 * (base[proj, kind] / new[proj, kind] - 1), abs=0.06)
     assert table[-1].startswith("sum") and len(table) == 6
+
+
+def test_gpu_sh_ab_variants_times_new_and_each_variant_both_ways(tmp_path):
+    """`tools/gpu.sh ab-variants ARGS` (here with ab_gemm's --cpu-smoke) runs .gpu as "new" and
+    every .gpu_variants/NAME, in that order and then reversed, packs the runs into ab_runs.tgz
+    and logs their comparison with each variant's build (its COMMIT) named."""
+    import shutil
+    import tarfile
+
+    root = tmp_path / "tree"
+    shutil.copytree(BENCHMARKS, root / "benchmarks", ignore=shutil.ignore_patterns("results"))
+    shutil.copytree(BENCHMARKS.parent / "tools", root / "tools")
+    for build, commit in ((".gpu", "abc"), (".gpu_variants/lag2", "abc overrides DW_LAG_K_TILES=2")):
+        (root / build).mkdir(parents=True)
+        (root / build / "COMMIT").write_text(commit + "\n")
+    out = tmp_path / "out"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OUT=str(out),
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    proc = subprocess.run(["bash", str(root / "tools" / "gpu.sh"), "ab-variants", "--cpu-smoke",
+                           "--kinds", "fwd", "--groupings", "R2 maxvio 20", "--reps", "1"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["ab.log", "ab_runs.tgz"]
+    with tarfile.open(out / "ab_runs.tgz") as tar:
+        runs = [json.load(tar.extractfile(m)) for m in tar.getmembers() if m.name.endswith(".json")]
+    assert [r["tag"] for r in sorted(runs, key=lambda r: r["index"])] == ["new", "lag2", "lag2",
+                                                                           "new"]
+    log = (out / "ab.log").read_text()
+    assert "lag2: abc overrides DW_LAG_K_TILES=2" in log
+    assert any(line.startswith("sum") and line.rstrip().endswith("%") for line in log.splitlines())

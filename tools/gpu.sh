@@ -10,6 +10,13 @@
 #   bash tools/gpu.sh ab ARGS          # there, carry [".gpu", ".gpu_base"]: benchmarks/ab_gemm.py
 #                                      # run ARGS with .gpu ("new") and .gpu_base ("base") in the
 #                                      # process order new base base new, then their comparison
+#   bash tools/gpu.sh build-variant NAME NAME=VALUE ...
+#                                      # here: this tree's extension with those integer constants
+#                                      # of the CuTe DSL kernels overridden (build_aot.py
+#                                      # --override) into .gpu_variants/NAME/, for a tuning sweep
+#   bash tools/gpu.sh ab-variants ARGS # there, carry [".gpu", ".gpu_variants"]: ab_gemm.py run
+#                                      # ARGS with .gpu ("new") and every variant, in that order
+#                                      # and then reversed, then their comparison
 #
 # `run` writes under $OUT (the device tool's folder that comes back, at most 8 files):
 # gpu_tests.log (environment + pytest), benchmarks.log, and each benchmark's JSON record (+ PNG)
@@ -30,11 +37,12 @@ cd "$(dirname "$0")/.."
 # The GPU machine's Python: the extension is built for it (its ABI tag), whatever runs here.
 GPU_PYTHON_VERSION=3.12
 
-# build_tree SRC DEST: the extension of the source tree SRC (its CMake build in SRC/build/gpu)
-# into DEST/, with DEST/COMMIT.
+# build_tree SRC DEST [OVERRIDES]: the extension of the source tree SRC (its CMake build in
+# SRC/build/gpu) into DEST/, with DEST/COMMIT; OVERRIDES ("NAME=VALUE;...", build_aot.py
+# --override) makes a tuning variant, and every other build resets them.
 build_tree() {
   set -e
-  local src=$1 dest=$2
+  local src=$1 dest=$2 overrides=${3:-}
   local py=${PYTHON:-}
   if [ -z "$py" ]; then py=$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 ); fi
   local version; version=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -61,13 +69,14 @@ build_tree() {
   fi
   "$cmake" -S "$src" -B "$src/build/gpu" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_MAKE_PROGRAM="$ninja" -DPython_EXECUTABLE="$python" \
-    -Dpybind11_DIR="$("$python" -m pybind11 --cmakedir)"
+    -Dpybind11_DIR="$("$python" -m pybind11 --cmakedir)" \
+    -DMOONEP_CUTEDSL_OVERRIDES="$overrides"
   "$cmake" --build "$src/build/gpu"
   rm -rf "$dest" && mkdir -p "$dest"
   cp "$src"/build/gpu/_moonep_jax_cuda*.so "$dest/"
   # The device machine gets no git history: record which commit (and whether the tree was dirty)
   # the binary and the sources that travel with it come from.
-  echo "$(git -C "$src" rev-parse HEAD)$(git -C "$src" diff --quiet HEAD -- . ':!benchmarks/results' || echo -dirty)" > "$dest/COMMIT"
+  echo "$(git -C "$src" rev-parse HEAD)$(git -C "$src" diff --quiet HEAD -- . ':!benchmarks/results' || echo -dirty)${overrides:+ overrides $overrides}" > "$dest/COMMIT"
 }
 
 build() {
@@ -88,8 +97,43 @@ build_base() {
     "bash tools/gpu.sh ab --kinds ... --groupings ..."
 }
 
+# build-variant NAME NAME=VALUE ...: this tree built with those kernel constants into
+# .gpu_variants/NAME/ (its COMMIT names them).
+build_variant() {
+  local name=${1:?usage: bash tools/gpu.sh build-variant NAME NAME=VALUE ...}
+  shift
+  [ $# -gt 0 ] || { echo "tools/gpu.sh build-variant: name at least one NAME=VALUE" >&2; return 1; }
+  local overrides; overrides=$(IFS=';'; echo "$*")
+  build_tree . ".gpu_variants/$name" "$overrides"
+  echo "built .gpu_variants/$name ($(cat ".gpu_variants/$name/COMMIT")); carry" \
+    "[\".gpu\", \".gpu_variants\"] and run: bash tools/gpu.sh ab-variants --kinds ... --groupings ..."
+}
+
+# ab_runs OUT TAG:DIR ...: benchmarks/ab_gemm.py run "${AB_ARGS[@]}" once per TAG:DIR, in the
+# order given, then the comparison of all runs; appends to OUT/ab.log, and packs the runs' JSON
+# into OUT/ab_runs.tgz (the device tool brings back at most 8 files).
+ab_runs() {
+  local out=$1; shift
+  local runs=$out/ab_runs index=0 status=0 spec tag dir
+  mkdir -p "$runs"
+  for spec in "$@"; do
+    tag=${spec%%:*} dir=${spec#*:}
+    echo "$tag: $(cat "$dir/COMMIT")" | tee -a "$out/ab.log"
+    MOONEP_GIT_COMMIT=$(cat "$dir/COMMIT") PYTHONPATH="$PWD/$dir:$PWD" \
+      timeout "${GPU_BENCH_TIMEOUT:-300}" python3 benchmarks/ab_gemm.py run --tag "$tag" \
+      --index "$index" --out "$runs" "${AB_ARGS[@]}" 2>&1 | tee -a "$out/ab.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    index=$((index + 1))
+  done
+  # ab_gemm imports bench_gemm, which imports moonep_jax (from the tree, with the first build).
+  PYTHONPATH="$PWD/${1#*:}:$PWD" python3 benchmarks/ab_gemm.py compare "$runs"/ab_gemm_*.json \
+    | tee -a "$out/ab.log"
+  tar czf "$out/ab_runs.tgz" -C "$out" ab_runs && rm -rf "$runs"
+  return $status
+}
+
 # ab ARGS: benchmarks/ab_gemm.py run ARGS with each build, new base base new (the second process
-# of a pair runs a few % slower), then the comparison; ab.log and the runs' JSON under $OUT.
+# of a pair runs a few % slower), then the comparison; ab.log and ab_runs.tgz under $OUT.
 ab() {
   OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
   if [ ! -f .gpu_base/COMMIT ] || [ ! -f .gpu/COMMIT ]; then
@@ -98,18 +142,28 @@ ab() {
     return 1
   fi
   export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
-  { echo "new: $(cat .gpu/COMMIT)"; echo "base: $(cat .gpu_base/COMMIT)"; } | tee "$OUT/ab.log"
-  local index=0 status=0 tag dir
-  for tag in new base base new; do
-    dir=.gpu; [ "$tag" = base ] && dir=.gpu_base
-    MOONEP_GIT_COMMIT=$(cat "$dir/COMMIT") PYTHONPATH="$PWD/$dir:$PWD" \
-      timeout "${GPU_BENCH_TIMEOUT:-300}" python3 benchmarks/ab_gemm.py run --tag "$tag" \
-      --index "$index" --out "$OUT" "$@" 2>&1 | tee -a "$OUT/ab.log"
-    [ "${PIPESTATUS[0]}" = 0 ] || status=1
-    index=$((index + 1))
+  : > "$OUT/ab.log"
+  AB_ARGS=("$@"); ab_runs "$OUT" new:.gpu base:.gpu_base base:.gpu_base new:.gpu
+}
+
+# ab-variants ARGS: benchmarks/ab_gemm.py run ARGS with .gpu ("new") and every .gpu_variants/*
+# (tagged by name), in that order and then reversed, then the comparison, in % of "new".
+ab_variants() {
+  OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+  local dir specs=()
+  for dir in .gpu_variants/*/; do
+    [ -f "$dir/COMMIT" ] && specs+=("$(basename "$dir"):${dir%/}")
   done
-  python3 benchmarks/ab_gemm.py compare "$OUT"/ab_gemm_*.json | tee -a "$OUT/ab.log"
-  return $status
+  if [ ! -f .gpu/COMMIT ] || [ ${#specs[@]} = 0 ]; then
+    echo "tools/gpu.sh ab-variants: needs .gpu and .gpu_variants/* (bash tools/gpu.sh build," \
+      "then build-variant NAME NAME=VALUE ..., and carry [\".gpu\", \".gpu_variants\"])" >&2
+    return 1
+  fi
+  export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
+  : > "$OUT/ab.log"
+  local order=(new:.gpu "${specs[@]}") reversed=() i
+  for ((i = ${#order[@]} - 1; i >= 0; i--)); do reversed+=("${order[i]}"); done
+  AB_ARGS=("$@"); ab_runs "$OUT" "${order[@]}" "${reversed[@]}"
 }
 
 # run_pytest TIMEOUT ARGS...: pytest under a timeout, appended to gpu_tests.log; selecting no
@@ -170,6 +224,9 @@ case "${1:-}" in
   run) shift; run "$@" ;;
   build-base) shift; build_base "$@" ;;
   ab) shift; ab "$@" ;;
-  *) echo "usage: bash tools/gpu.sh build | run [BENCH[:ARGS] ...] | build-base REV | ab ARGS" >&2
+  build-variant) shift; build_variant "$@" ;;
+  ab-variants) shift; ab_variants "$@" ;;
+  *) echo "usage: bash tools/gpu.sh build | run [BENCH[:ARGS] ...] | build-base REV | ab ARGS" \
+       "| build-variant NAME NAME=VALUE ... | ab-variants ARGS" >&2
      exit 2 ;;
 esac
