@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -56,9 +58,6 @@ def test_gpu_sh_ab_variants_times_new_and_each_variant_both_ways(tmp_path):
     """`tools/gpu.sh ab-variants ARGS` (here with ab_gemm's --cpu-smoke) runs .gpu as "new" and
     every .gpu_variants/NAME, in that order and then reversed, packs the runs into ab_runs.tgz
     and logs their comparison with each variant's build (its COMMIT) named."""
-    import shutil
-    import tarfile
-
     root = tmp_path / "tree"
     shutil.copytree(BENCHMARKS, root / "benchmarks", ignore=shutil.ignore_patterns("results"))
     shutil.copytree(BENCHMARKS.parent / "tools", root / "tools")

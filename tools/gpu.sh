@@ -109,13 +109,14 @@ build_variant() {
     "[\".gpu\", \".gpu_variants\"] and run: bash tools/gpu.sh ab-variants --kinds ... --groupings ..."
 }
 
-# ab_runs OUT TAG:DIR ...: benchmarks/ab_gemm.py run "${AB_ARGS[@]}" once per TAG:DIR, in the
-# order given, then the comparison of all runs; appends to OUT/ab.log, and packs the runs' JSON
-# into OUT/ab_runs.tgz (the device tool brings back at most 8 files).
+# ab_runs TAG:DIR ...: benchmarks/ab_gemm.py run "${AB_ARGS[@]}" once per TAG:DIR, in the
+# order given, then the comparison of all runs, into $OUT/ab.log; the runs' JSON is packed into
+# $OUT/ab_runs.tgz (the device tool brings back at most 8 files).
 ab_runs() {
-  local out=$1; shift
+  local out=${OUT:-$PWD/gpu_out}
   local runs=$out/ab_runs index=0 status=0 spec tag dir
-  mkdir -p "$runs"
+  mkdir -p "$runs" && : > "$out/ab.log"
+  export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
   for spec in "$@"; do
     tag=${spec%%:*} dir=${spec#*:}
     echo "$tag: $(cat "$dir/COMMIT")" | tee -a "$out/ab.log"
@@ -135,21 +136,17 @@ ab_runs() {
 # ab ARGS: benchmarks/ab_gemm.py run ARGS with each build, new base base new (the second process
 # of a pair runs a few % slower), then the comparison; ab.log and ab_runs.tgz under $OUT.
 ab() {
-  OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
   if [ ! -f .gpu_base/COMMIT ] || [ ! -f .gpu/COMMIT ]; then
     echo "tools/gpu.sh ab: needs .gpu and .gpu_base (bash tools/gpu.sh build, then build-base" \
       "REV, and carry [\".gpu\", \".gpu_base\"])" >&2
     return 1
   fi
-  export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
-  : > "$OUT/ab.log"
-  AB_ARGS=("$@"); ab_runs "$OUT" new:.gpu base:.gpu_base base:.gpu_base new:.gpu
+  AB_ARGS=("$@"); ab_runs new:.gpu base:.gpu_base base:.gpu_base new:.gpu
 }
 
 # ab-variants ARGS: benchmarks/ab_gemm.py run ARGS with .gpu ("new") and every .gpu_variants/*
 # (tagged by name), in that order and then reversed, then the comparison, in % of "new".
 ab_variants() {
-  OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
   local dir specs=()
   for dir in .gpu_variants/*/; do
     [ -f "$dir/COMMIT" ] && specs+=("$(basename "$dir"):${dir%/}")
@@ -159,11 +156,9 @@ ab_variants() {
       "then build-variant NAME NAME=VALUE ..., and carry [\".gpu\", \".gpu_variants\"])" >&2
     return 1
   fi
-  export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
-  : > "$OUT/ab.log"
   local order=(new:.gpu "${specs[@]}") reversed=() i
   for ((i = ${#order[@]} - 1; i >= 0; i--)); do reversed+=("${order[i]}"); done
-  AB_ARGS=("$@"); ab_runs "$OUT" "${order[@]}" "${reversed[@]}"
+  AB_ARGS=("$@"); ab_runs "${order[@]}" "${reversed[@]}"
 }
 
 # run_pytest TIMEOUT ARGS...: pytest under a timeout, appended to gpu_tests.log; selecting no
