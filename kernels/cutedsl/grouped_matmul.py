@@ -137,10 +137,16 @@ def tile_chunks(row_start: cutlass.Int32, row_end: cutlass.Int32):
     return cutlass.max(cutlass.min(cute.ceil_div(row_end - row_start, A_CHUNK_M), A_CHUNKS), 0)
 
 
+def weight_grad_tiles(dw_local: cute.Tensor):
+    """(M tiles, N tiles) of one dW output matrix."""
+    return (cute.ceil_div(cute.size(dw_local, mode=[0]), DW_TILE_M),
+            cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N))
+
+
 def weight_grad_num_items(dw_local: cute.Tensor, dw_slots: cute.Tensor):
     """Work items of dW: (output matrix, M tile, N tile) triples."""
-    return (cute.ceil_div(cute.size(dw_local, mode=[0]), DW_TILE_M)
-            * cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N)
+    num_m_tiles, num_n_tiles = weight_grad_tiles(dw_local)
+    return (num_m_tiles * num_n_tiles
             * (cute.size(dw_local, mode=[2]) + cute.size(dw_slots, mode=[2])))
 
 
@@ -387,24 +393,49 @@ class GroupedMatmul:
                  stream=stream)
 
     @cute.jit
-    def weight_grad_item(self, item: cutlass.Int32, num_items: cutlass.Int32,
-                         dw_local: cute.Tensor, dw_partial: cute.Tensor, dw_slots: cute.Tensor,
+    def weight_grad_coords(self, item: cutlass.Int32, dw_local: cute.Tensor):
+        """Work item -> (mat, m_tile, n_tile), N tiles fastest. Divides: a CTA calls it for its
+        first item and its stride, and `next_coords` walks on from there."""
+        num_m_tiles, num_n_tiles = weight_grad_tiles(dw_local)
+        return (item // (num_n_tiles * num_m_tiles), (item // num_n_tiles) % num_m_tiles,
+                item % num_n_tiles)
+
+    @cute.jit
+    def next_coords(self, mat: cutlass.Int32, m_tile: cutlass.Int32, n_tile: cutlass.Int32,
+                    step, dw_local: cute.Tensor):
+        """The coordinates of the work item `step` (`weight_grad_coords` of the item stride)
+        after (mat, m_tile, n_tile), by additions and carries: the three divisions per item
+        that decomposing the item took cost ~10 % of the consumer warps' time in dW at R = 2
+        (ncu stall samples), in the epilogue's shadow no other warp group fills."""
+        num_m_tiles, num_n_tiles = weight_grad_tiles(dw_local)
+        step_mat, step_m, step_n = step
+        n_tile = n_tile + step_n
+        carry = cutlass.Int32(0)
+        if n_tile >= num_n_tiles:
+            n_tile = n_tile - num_n_tiles
+            carry = cutlass.Int32(1)
+        m_tile = m_tile + step_m + carry
+        carry = cutlass.Int32(0)
+        if m_tile >= num_m_tiles:
+            m_tile = m_tile - num_m_tiles
+            carry = cutlass.Int32(1)
+        return mat + step_mat + carry, m_tile, n_tile
+
+    @cute.jit
+    def weight_grad_item(self, mat: cutlass.Int32, dw_local: cute.Tensor,
+                         dw_partial: cute.Tensor, dw_slots: cute.Tensor,
                          replica_flags: cute.Tensor, cu_seqlens: cute.Tensor,
                          first_local_group: cutlass.Int32, zero_unused_slots: cutlass.Int32):
-        """Work item -> (has_work, mat, m_tile, n_tile, row_start, rows, to_partial): whether
-        it has anything to do, its output matrix, tile and group rows, and whether a local
-        expert's fp32 sum goes to `dw_partial`. An item past the last (the one after a CTA's
-        last) reads the last item's data, in bounds: the loops read an item's data one item
-        ahead, so that its loads land while the previous item multiplies (read on the way into
-        an item, they left the tensor pipes idle between items)."""
-        item = cutlass.min(item, num_items - 1)
-        num_m_tiles = cute.ceil_div(cute.size(dw_local, mode=[0]), DW_TILE_M)
-        num_n_tiles = cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N)
-        n_tile = item % num_n_tiles
-        m_tile = (item // num_n_tiles) % num_m_tiles
-        mat = item // (num_n_tiles * num_m_tiles)
+        """Output matrix -> (has_work, row_start, rows, to_partial): whether its item has
+        anything to do, its group's rows, and whether a local expert's fp32 sum goes to
+        `dw_partial`. A matrix past the last (that of the item after a CTA's last) reads the
+        last matrix's data, in bounds: the loops read an item's data one item ahead, so that
+        its loads land while the previous item multiplies (read on the way into an item, they
+        left the tensor pipes idle between items)."""
         num_local = cute.size(dw_local, mode=[2])
-        num_experts = cute.size(cu_seqlens, mode=[0]) - cute.size(dw_slots, mode=[2])
+        num_slots = cute.size(dw_slots, mode=[2])
+        mat = cutlass.min(mat, num_local + num_slots - 1)
+        num_experts = cute.size(cu_seqlens, mode=[0]) - num_slots
         group = first_local_group + mat
         if mat >= num_local:
             group = num_experts + mat - num_local
@@ -422,7 +453,7 @@ class GroupedMatmul:
         if cute.size(dw_partial, mode=[2]) > 0:
             if mat < num_local:
                 to_partial = replica_flags[mat]
-        return has_work, mat, m_tile, n_tile, row_start, num_rows, to_partial
+        return has_work, row_start, num_rows, to_partial
 
     @cute.kernel
     def weight_grad_kernel(self, tiled_mma: cute.TiledMma, block_mma: cute.TiledMma,
@@ -441,8 +472,9 @@ class GroupedMatmul:
         sC = storage.sC.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
         num_items = weight_grad_num_items(dw_local, dw_slots)
         first_item, item_stride, warp_idx, tidx = persistent_cta()
-        # Everything weight_grad_item reads besides the item.
-        item_args = (num_items, dw_local, dw_partial, dw_slots, replica_flags, cu_seqlens,
+        step = self.weight_grad_coords(item_stride, dw_local)
+        # Everything weight_grad_item reads besides the output matrix.
+        item_args = (dw_local, dw_partial, dw_slots, replica_flags, cu_seqlens,
                      ep_rank[0] * cute.size(dw_local, mode=[2]), zero_unused_slots)
         if warp_idx < WARPS_PER_GROUP:
             cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
@@ -451,10 +483,12 @@ class GroupedMatmul:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
                 producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                         self.num_stages)
-                has_work, _, m_tile, n_tile, row_start, num_rows, _ = self.weight_grad_item(
-                    first_item, *item_args)
-                for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
-                    next_item = self.weight_grad_item(item + item_stride, *item_args)
+                mat, m_tile, n_tile = self.weight_grad_coords(first_item, dw_local)
+                has_work, row_start, num_rows, _ = self.weight_grad_item(mat, *item_args)
+                for _item in cutlass.range(first_item, num_items, item_stride, unroll=1):
+                    next_mat, next_m_tile, next_n_tile = self.next_coords(mat, m_tile, n_tile,
+                                                                          step, dw_local)
+                    next_item = self.weight_grad_item(next_mat, *item_args)
                     if has_work != 0:
                         gA = cute.local_tile(cute.domain_offset((0, row_start), mA),
                                              (DW_TILE_M, DW_TILE_K), (m_tile, None))
@@ -462,7 +496,8 @@ class GroupedMatmul:
                                              (TILE_N, DW_TILE_K), (n_tile, None))
                         producer = self.load(ab_pipeline, producer, tma_a, gA, sA, tma_b, gB, sB,
                                              cute.ceil_div(num_rows, DW_TILE_K))
-                    has_work, _, m_tile, n_tile, row_start, num_rows, _ = next_item
+                    mat, m_tile, n_tile = next_mat, next_m_tile, next_n_tile
+                    has_work, row_start, num_rows, _ = next_item
                 ab_pipeline.producer_tail(producer)
         else:
             cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
@@ -485,10 +520,12 @@ class GroupedMatmul:
                 lag_left = cutlass.Int32(DW_LAG_K_TILES)
             else:
                 cute.arch.barrier(barrier_id=LAG_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
-            has_work, mat, m_tile, n_tile, _, num_rows, to_partial = self.weight_grad_item(
-                first_item, *item_args)
-            for item in cutlass.range(first_item, num_items, item_stride, unroll=1):
-                next_item = self.weight_grad_item(item + item_stride, *item_args)
+            mat, m_tile, n_tile = self.weight_grad_coords(first_item, dw_local)
+            has_work, _, num_rows, to_partial = self.weight_grad_item(mat, *item_args)
+            for _item in cutlass.range(first_item, num_items, item_stride, unroll=1):
+                next_mat, next_m_tile, next_n_tile = self.next_coords(mat, m_tile, n_tile, step,
+                                                                      dw_local)
+                next_item = self.weight_grad_item(next_mat, *item_args)
                 if has_work != 0:
                     read, release, lag_left = self.consume(
                         ab_pipeline, read, release, tiled_mma, tCrA, tCrB, accumulators, sA, sB,
@@ -509,7 +546,8 @@ class GroupedMatmul:
                         gC = cute.local_tile(dw_slots[None, None, mat - num_local],
                                              (DW_TILE_M, TILE_N), (m_tile, n_tile))
                         self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
-                has_work, mat, m_tile, n_tile, _, num_rows, to_partial = next_item
+                mat, m_tile, n_tile = next_mat, next_m_tile, next_n_tile
+                has_work, _, num_rows, to_partial = next_item
             # A CTA with fewer K tiles than the lag still lets warp group 1 go.
             if lag_left > 0:
                 cute.arch.barrier_arrive(barrier_id=LAG_BARRIER,
