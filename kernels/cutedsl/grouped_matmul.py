@@ -70,7 +70,12 @@ and, each within +-3 % summed over bench_gemm's dW groupings: 2-CTA clusters tak
 tiles with the A tile multicast (a third fewer bytes from L2), 128 x 256 tiles of 64 x 256
 WGMMAs (a sixth fewer operand reads from shared memory), lags of 1 or 2 K tiles, 8 ring stages.
 At R = 2 the kernel is bound by no one of these streams: left without its WGMMAs it still takes
-78-90 % of its time, without its output stores 88-92 % (README, grouped GEMM).
+78-90 % of its time, without its output stores 88-92 % (README, grouped GEMM). What it is bound
+by is each warp group's work per item, which only the other warp group's last DW_LAG_K_TILES K
+tiles of MMAs cover (ncu stall samples at R = 2: ~3,600 cycles per item of index arithmetic,
+K-tail zeroing, epilogue and accumulator zeroing, against ~2,800 of its own MMAs); so that work
+is kept short: the items' coordinates advance by additions (`next_coords`), the K tail is zeroed
+by a fixed set of predicated stores (`zero_columns`).
 """
 
 import cuda.bindings.driver as cuda
