@@ -877,8 +877,9 @@ class GroupedMatmul:
         instructions of pair stores (whose issue kept the tensor cores idle in the epilogue:
         11-13 % of the forward's stall samples, ncu; bench_gemm: forward and dX 1-5 % faster).
         A segment never straddles a limit: column limits are multiples of 8 elements
-        (`ALIGN_ELEMS`, checked by the launchers). dW's staged bf16 tile keeps pair stores into
-        its swizzled shared memory: segments there made dW 1-9 % slower.
+        (`ALIGN_ELEMS`, checked by the launchers). dW's staged bf16 tile goes into its swizzled
+        shared memory by stmatrix instead (`store_through_shared`): segments there made dW 1-9 %
+        slower than pair stores.
         """
         thr_mma = tiled_mma.get_slice(thread)
         # Pairs of the thread: pair v + 2 * b is row half v (rows 8 apart) of column block b (the
@@ -916,13 +917,18 @@ class GroupedMatmul:
         """Consumer warp group `group`: store its accumulators (one ATOM_M-row block of the tile
         per MMA row, block `2m + group` for row m) to the tile `gC` of a TMA tensor: registers ->
         its stages of `sC` (stages `group`, `group + 2`, ...; `block_mma` is one warp group's view
-        of a block), then one TMA store per block that runs while the group goes on. Before its
+        of a block) by stmatrix, four 8 x 8 bf16 matrices a warp per instruction (16 a block
+        where pair stores took 64: the epilogue is work only the other warp group's MMAs cover),
+        then one TMA store per block that runs while the group goes on. Before its
         stages are written again, the group's previous stores must have read them: with a stage
         per block that wait falls one item later, normally already over; with fewer, the next
         blocks of the item wait for the first ones' stores. TMA clips at the tensor's bounds."""
-        thr_mma = block_mma.get_slice(thread % THREADS_PER_GROUP)
+        matrix_store = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), sC.element_type),
+            block_mma)
+        thr_store = matrix_store.get_slice(thread % THREADS_PER_GROUP)
         values = self.rounded(accumulators, sC.element_type)
-        pair_store = self.pair_store_atom(sC.element_type)
+        block_values = thr_store.retile(values)
         blocks = cute.size(values, mode=[1])
         stages = DW_EPILOGUE_STAGES // CONSUMER_GROUPS  # of this warp group
         sC_for_tma, gC_for_tma = cute.nvgpu.cpasync.tma_partition(
@@ -933,12 +939,10 @@ class GroupedMatmul:
                 c_stores.producer_acquire()
             self.group_barrier(group)
             for m in cutlass.range_constexpr(first, first + stages):
-                tCsC = cute.zipped_divide(
-                    thr_mma.partition_C(sC[None, None, CONSUMER_GROUPS * (m - first) + group]),
-                    (2,))
-                tCrC = cute.zipped_divide(values[None, m, 0], (2,))
-                for j in cutlass.range_constexpr(cute.size(tCsC, mode=[1])):
-                    cute.copy(pair_store, tCrC[(None, j)], tCsC[(None, j)])
+                cute.copy(matrix_store, block_values[None, m, None],
+                          thr_store.partition_D(
+                              sC[None, None, CONSUMER_GROUPS * (m - first) + group])[
+                                  None, None, 0])
             # The TMA unit reads shared memory through the async proxy.
             cute.arch.fence_proxy("async.shared", space="cta")
             self.group_barrier(group)
@@ -959,7 +963,8 @@ class GroupedMatmul:
     def pair_store_atom(dtype):
         """A store of a pair of adjacent accumulator columns: a thread's WGMMA accumulators come
         in such pairs, and one vector store (64-bit fp32, 32-bit bf16) replaces two scalar ones
-        (16-byte segments, as store_segments stores, made dW's staged stores 1-9 % slower)."""
+        (16-byte segments, as store_segments stores, made dW's staged bf16 stores 1-9 % slower
+        than these; they use stmatrix now)."""
         return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype,
                                    num_bits_per_copy=2 * dtype.width)
 
