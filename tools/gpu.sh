@@ -109,6 +109,12 @@ build_variant() {
     "[\".gpu\", \".gpu_variants\"] and run: bash tools/gpu.sh ab-variants --kinds ... --groupings ..."
 }
 
+# The environment of every GPU process the runner starts: NVLink multicast off (NVLS), output
+# unbuffered (the device tool returns what was printed when a command is killed), XLA's logs quiet.
+export_gpu_env() {
+  export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
+}
+
 # ab_runs TAG:DIR ...: benchmarks/ab_gemm.py run "${AB_ARGS[@]}" once per TAG:DIR, in the
 # order given, then the comparison of all runs, into $OUT/ab.log; the runs' JSON is packed into
 # $OUT/ab_runs.tgz (the device tool brings back at most 8 files).
@@ -116,7 +122,7 @@ ab_runs() {
   local out=${OUT:-$PWD/gpu_out}
   local runs=$out/ab_runs index=0 status=0 spec tag dir
   mkdir -p "$runs" && : > "$out/ab.log"
-  export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
+  export_gpu_env
   for spec in "$@"; do
     tag=${spec%%:*} dir=${spec#*:}
     echo "$tag: $(cat "$dir/COMMIT")" | tee -a "$out/ab.log"
@@ -173,7 +179,7 @@ run_pytest() {
 run() {
   OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
   export PYTHONPATH="$PWD/.gpu:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
+  export_gpu_env
   # The records' commit: the one the carried binary was built from (benchmarks/_common.py).
   MOONEP_GIT_COMMIT=$(cat .gpu/COMMIT 2>/dev/null || true); export MOONEP_GIT_COMMIT
   { nvidia-smi; python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())";
