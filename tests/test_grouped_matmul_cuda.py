@@ -209,6 +209,36 @@ def test_grouped_matmul_dw_matches_fp32_reference(seed, case, num_rows, d0, d1):
     np.testing.assert_array_equal(np.asarray(local_only), rounded)
 
 
+@pytest.mark.parametrize("num_local,num_slots", [(3, 3), (3, 0), (5, 2)])
+def test_grouped_matmul_dw_covers_every_matrix_of_any_count(seed, num_local, num_slots):
+    """dW walks its matrices in interleaved runs (kernels/cutedsl/grouped_matmul.py,
+    DW_INTERLEAVED_MATRICES): with a matrix count no run length divides, every local expert and
+    slot still gets its own group's gradient, and the run's padding writes nothing."""
+    from moonep_jax._cuda.grouped_matmul import grouped_matmul_dw_of_groups
+
+    rng = np.random.default_rng(seed)
+    num_rows, d0, d1, rank = 2000, 136, 264, 1
+    num_experts = 2 * num_local
+    num_groups = num_experts + (num_slots or num_local)
+    sizes = np.zeros(num_groups, np.int64)
+    active = [*range(rank * num_local, (rank + 1) * num_local), *range(num_experts, num_groups)]
+    sizes[active] = rng.integers(1, num_rows // len(active), len(active))
+    cu_seqlens = np.cumsum(sizes).astype(np.int32)
+    x = rng.standard_normal((num_rows, d0)).astype(jnp.bfloat16)
+    dy = rng.standard_normal((num_rows, d1)).astype(jnp.bfloat16)
+    every = np.full((2, num_slots or num_local), -1, np.int32)
+    local, partial, slots = jax.jit(grouped_matmul_dw_of_groups, static_argnums=(5, 6, 7))(
+        x, dy, cu_seqlens, np.array([rank], np.int32), every, num_local, 0, num_slots)
+    assert partial.shape[0] == 0 and slots.shape[0] == num_slots
+    starts = np.concatenate([[0], cu_seqlens[:-1]])
+    xf, dyf = x.astype(np.float32), dy.astype(np.float32)
+    outputs = [(np.asarray(local[j], np.float32), rank * num_local + j) for j in range(num_local)]
+    outputs += [(np.asarray(slots[j]), num_experts + j) for j in range(num_slots)]
+    for out, g in outputs:
+        expected = xf[starts[g]:cu_seqlens[g]].T @ dyf[starts[g]:cu_seqlens[g]]
+        _assert_bf16_close(out, expected)
+
+
 def test_launchers_captured_into_a_cuda_graph_replay_what_a_direct_launch_writes():
     """Capture safety of the handlers marked kCmdBufferCompatible: forward, dX and dW launches,
     captured into a CUDA graph as XLA's command buffers capture them (no call that capture
