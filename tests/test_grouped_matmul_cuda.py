@@ -211,9 +211,9 @@ def test_grouped_matmul_dw_matches_fp32_reference(seed, case, num_rows, d0, d1):
 
 @pytest.mark.parametrize("num_local,num_slots", [(3, 3), (3, 0), (5, 2)])
 def test_grouped_matmul_dw_covers_every_matrix_of_any_count(seed, num_local, num_slots):
-    """dW walks its matrices in interleaved runs (kernels/cutedsl/grouped_matmul.py,
-    DW_INTERLEAVED_MATRICES): with a matrix count no run length divides, every local expert and
-    slot still gets its own group's gradient, and the run's padding writes nothing."""
+    """dW with other counts of local experts and slots than the layout above (odd ones, and
+    fewer slots than local experts): every local expert and slot gets its own group's gradient
+    (the items walk matrix after matrix by carries from the CTA's first item and stride)."""
     from moonep_jax._cuda.grouped_matmul import grouped_matmul_dw_of_groups
 
     rng = np.random.default_rng(seed)

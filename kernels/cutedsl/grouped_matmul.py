@@ -122,17 +122,6 @@ FIRST_GROUP_BARRIER, LAG_BARRIER = 1, 3
 # has issued that many), so that one group's epilogue runs while the other still multiplies the
 # item's last K tiles. Both read every stage, so the lag must stay below the ring's stages.
 DW_LAG_K_TILES = 3
-# Ragged M: warp group 1 starts each item's K loop once warp group 0 has issued this many of its
-# K tiles (0: no lag), for the same reason; both warp groups work on every item there, so the lag
-# is set again per item (`rows_lagged` says when that is safe). Its slots are the ring's: a full
-# tile's K tile takes 4 of the 14, so at most 3.
-ROWS_LAG_K_TILES = 2
-# dW walks its output matrices in runs of this many, their items interleaved (the matrix fastest,
-# then N and M tiles): the CTAs that run at once work on that many experts' gradients instead of
-# one's. An item costs its group's rows in MMAs but a whole 256 x 128 tile of output stores either
-# way, so at high skew, where most groups are small, a wave of items of one small group is bound
-# by its stores and one of a large group by its MMAs; runs of several groups mix the two.
-DW_INTERLEAVED_MATRICES = 4
 # dW's bf16 epilogue stages this many ATOM_M x TILE_N blocks in shared memory (a multiple of
 # CONSUMER_GROUPS dividing DW_TILE_M // ATOM_M): the rest of the shared memory is the ring's. All
 # four blocks of a tile leave 6 ring stages; one block per warp group (the second waiting for the
@@ -160,12 +149,10 @@ def weight_grad_tiles(dw_local: cute.Tensor):
 
 
 def weight_grad_num_items(dw_local: cute.Tensor, dw_slots: cute.Tensor):
-    """Work items of dW: (output matrix, M tile, N tile) triples, the matrices counted up to a
-    whole number of DW_INTERLEAVED_MATRICES (the items of matrices past the last do nothing)."""
+    """Work items of dW: (output matrix, M tile, N tile) triples."""
     num_m_tiles, num_n_tiles = weight_grad_tiles(dw_local)
-    num_matrices = cute.size(dw_local, mode=[2]) + cute.size(dw_slots, mode=[2])
-    return (num_m_tiles * num_n_tiles * DW_INTERLEAVED_MATRICES
-            * cute.ceil_div(num_matrices, DW_INTERLEAVED_MATRICES))
+    return (num_m_tiles * num_n_tiles
+            * (cute.size(dw_local, mode=[2]) + cute.size(dw_slots, mode=[2])))
 
 
 def persistent_cta():
@@ -334,8 +321,7 @@ class GroupedMatmul:
             # This warp group's first row in a chunk (the warp groups take the two ATOM_M-row
             # halves of every chunk), from the warp-uniform warp index: ptxas serialises WGMMAs
             # under a branch it cannot prove uniform.
-            group = warp_idx // WARPS_PER_GROUP - 1
-            first_row = group * ATOM_M
+            first_row = (warp_idx // WARPS_PER_GROUP - 1) * ATOM_M
             # One accumulator per chunk: this warp group's ATOM_M x TILE_N block of it.
             tCrA, tCrB, accumulators, read, release = self.consumer_setup(
                 tiled_mma, sA, sB, thread, (A_CHUNK_M, TILE_N), A_CHUNKS)
@@ -347,8 +333,8 @@ class GroupedMatmul:
                     item, mA, mB_local, mB_slots, mC, tile_table)
                 read, release = self.consume_rows(
                     ab_pipeline, read, release, tiled_mma, tCrA, tCrB, accumulators,
-                    num_k_tiles, tile_chunks(row_start, row_end), row_end - row_start, group,
-                    self.rows_lagged(num_k_tiles))
+                    num_k_tiles, tile_chunks(row_start, row_end), row_end - row_start,
+                    first_row)
                 # Store rows [row_start, row_end) of this tile, chunk by chunk; columns < N
                 # (and < D0 for dX).
                 for c in cutlass.range_constexpr(A_CHUNKS):
@@ -413,14 +399,11 @@ class GroupedMatmul:
 
     @cute.jit
     def weight_grad_coords(self, item: cutlass.Int32, dw_local: cute.Tensor):
-        """Work item -> (mat, m_tile, n_tile): the matrix within its run of
-        DW_INTERLEAVED_MATRICES fastest, then N tiles, M tiles, runs. Divides: a CTA calls it for
-        its first item and its stride, and `next_coords` walks on from there."""
+        """Work item -> (mat, m_tile, n_tile), N tiles fastest. Divides: a CTA calls it for its
+        first item and its stride, and `next_coords` walks on from there."""
         num_m_tiles, num_n_tiles = weight_grad_tiles(dw_local)
-        tile = item // DW_INTERLEAVED_MATRICES
-        run = tile // (num_n_tiles * num_m_tiles)
-        return (run * DW_INTERLEAVED_MATRICES + item % DW_INTERLEAVED_MATRICES,
-                (tile // num_n_tiles) % num_m_tiles, tile % num_n_tiles)
+        return (item // (num_n_tiles * num_m_tiles), (item // num_n_tiles) % num_m_tiles,
+                item % num_n_tiles)
 
     @cute.jit
     def next_coords(self, mat: cutlass.Int32, m_tile: cutlass.Int32, n_tile: cutlass.Int32,
@@ -431,12 +414,7 @@ class GroupedMatmul:
         (ncu stall samples), in the epilogue's shadow no other warp group fills."""
         num_m_tiles, num_n_tiles = weight_grad_tiles(dw_local)
         step_mat, step_m, step_n = step
-        lane = mat % DW_INTERLEAVED_MATRICES + step_mat % DW_INTERLEAVED_MATRICES
-        carry = cutlass.Int32(0)
-        if lane >= DW_INTERLEAVED_MATRICES:
-            lane = lane - DW_INTERLEAVED_MATRICES
-            carry = cutlass.Int32(1)
-        n_tile = n_tile + step_n + carry
+        n_tile = n_tile + step_n
         carry = cutlass.Int32(0)
         if n_tile >= num_n_tiles:
             n_tile = n_tile - num_n_tiles
@@ -446,8 +424,7 @@ class GroupedMatmul:
         if m_tile >= num_m_tiles:
             m_tile = m_tile - num_m_tiles
             carry = cutlass.Int32(1)
-        run = mat // DW_INTERLEAVED_MATRICES + step_mat // DW_INTERLEAVED_MATRICES + carry
-        return run * DW_INTERLEAVED_MATRICES + lane, m_tile, n_tile
+        return mat + step_mat + carry, m_tile, n_tile
 
     @cute.jit
     def weight_grad_item(self, mat: cutlass.Int32, dw_local: cute.Tensor,
@@ -462,10 +439,6 @@ class GroupedMatmul:
         left the tensor pipes idle between items)."""
         num_local = cute.size(dw_local, mode=[2])
         num_slots = cute.size(dw_slots, mode=[2])
-        # The matrices that pad the last run of DW_INTERLEAVED_MATRICES have no work.
-        has_work = 1
-        if mat >= num_local + num_slots:
-            has_work = 0
         mat = cutlass.min(mat, num_local + num_slots - 1)
         num_experts = cute.size(cu_seqlens, mode=[0]) - num_slots
         group = first_local_group + mat
@@ -476,6 +449,7 @@ class GroupedMatmul:
             row_start = cu_seqlens[group - 1]
         num_rows = cu_seqlens[group] - row_start
         # An empty slot whose matrix need not be zeroed has nothing to do.
+        has_work = 1
         if zero_unused_slots == 0:
             if mat >= num_local:
                 if num_rows == 0:
@@ -743,64 +717,47 @@ class GroupedMatmul:
             release.advance()
         return read, release, lag_left
 
-    def rows_lagged(self, num_k_tiles: cutlass.Int32):
-        """Whether warp group 1 waits for warp group 0's first ROWS_LAG_K_TILES K tiles of an
-        item of `num_k_tiles`. Warp group 0 signals once per item and may not signal an item's
-        lag before warp group 1 has waited for the previous one's (a named barrier counts
-        arrivals, not items): it cannot, when an item takes more slots than the ring holds
-        (every K tile takes at least two: an A chunk and B), since warp group 0 can then not
-        finish an item that warp group 1 has not started. Items of no K tiles (zero tiles) wait
-        for nothing."""
-        return ROWS_LAG_K_TILES > 0 and 2 * num_k_tiles > self.num_stages
-
     @cute.jit
     def consume_rows(self, ab_pipeline, read, release, tiled_mma: cute.TiledMma,
                      tCrA: cute.Tensor, tCrB: cute.Tensor, accumulators,
                      num_k_tiles: cutlass.Int32, a_chunks: cutlass.Int32,
-                     valid_rows: cutlass.Int32, group: cutlass.Int32, lagged):
-        """Consumer warp group `group`, ragged M: `accumulators[c]` (this warp group's block of
-        chunk c) `= sum over the item's K tiles`. A warp group issues WGMMAs only for its blocks
-        (rows `group * ATOM_M + A_CHUNK_M * c`) that hold a row below `valid_rows`: the other
-        rows are never stored, so a group's last tile costs MMAs for its rows rounded up to 64.
-        Both warp groups wait for and release every slot of the item (the `a_chunks` A chunks
-        and the B tile of each K tile); when `lagged`, warp group 1 starts once warp group 0
-        has issued its first ROWS_LAG_K_TILES K tiles, so that each one's epilogue runs beside
-        the other's MMAs."""
+                     valid_rows: cutlass.Int32, first_row: cutlass.Int32):
+        """Consumer warp groups, ragged M: `accumulators[c]` (this warp group's block of chunk c)
+        `= sum over the item's K tiles`. A warp group issues WGMMAs only for its blocks (rows
+        `first_row + A_CHUNK_M * c`) that hold a row below `valid_rows`: the other rows are
+        never stored, so a group's last tile costs MMAs for its rows rounded up to 64. Both
+        warp groups wait for and release every slot of the item (the `a_chunks` A chunks and
+        the B tile of each K tile)."""
         for acc in accumulators:
             acc.fill(0.0)
-        if cutlass.const_expr(ROWS_LAG_K_TILES > 0):
-            if lagged and group == 1:
-                cute.arch.barrier(barrier_id=LAG_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
-        signal_after = cutlass.Int32(-1)  # K tile after whose issue warp group 0 signals
-        if lagged and group == 0:
-            signal_after = cutlass.Int32(ROWS_LAG_K_TILES - 1)
         blocks = cutlass.Int32(0)
-        rows_left = valid_rows - group * ATOM_M
+        rows_left = valid_rows - first_row
         if rows_left > 0:
             blocks = cutlass.min(cute.ceil_div(rows_left, A_CHUNK_M), A_CHUNKS)
         # A branch per block count: no WGMMA may sit under a branch whose count is not known
         # at compile time (ptxas would serialise every WGMMA).
-        k_loop = (ab_pipeline, read, release, tiled_mma, tCrA, tCrB, accumulators, num_k_tiles,
-                  a_chunks, signal_after)
         if blocks == 3:
-            read, release = self.multiply_rows(*k_loop, 3)
+            read, release = self.multiply_rows(ab_pipeline, read, release, tiled_mma, tCrA,
+                                               tCrB, accumulators, num_k_tiles, a_chunks, 3)
         elif blocks == 2:
-            read, release = self.multiply_rows(*k_loop, 2)
+            read, release = self.multiply_rows(ab_pipeline, read, release, tiled_mma, tCrA,
+                                               tCrB, accumulators, num_k_tiles, a_chunks, 2)
         elif blocks == 1:
-            read, release = self.multiply_rows(*k_loop, 1)
+            read, release = self.multiply_rows(ab_pipeline, read, release, tiled_mma, tCrA,
+                                               tCrB, accumulators, num_k_tiles, a_chunks, 1)
         else:
-            read, release = self.multiply_rows(*k_loop, 0)
+            read, release = self.multiply_rows(ab_pipeline, read, release, tiled_mma, tCrA,
+                                               tCrB, accumulators, num_k_tiles, a_chunks, 0)
         return read, release
 
     @cute.jit
     def multiply_rows(self, ab_pipeline, read, release, tiled_mma: cute.TiledMma,
                       tCrA: cute.Tensor, tCrB: cute.Tensor, accumulators,
                       num_k_tiles: cutlass.Int32, a_chunks: cutlass.Int32,
-                      signal_after: cutlass.Int32, m_blocks: cutlass.Constexpr[int]):
+                      m_blocks: cutlass.Constexpr[int]):
         """The K loop of one warp group, ragged M: per K tile, wait for its slots (A chunks in
         order, then B), WGMMAs into the accumulators of its first `m_blocks` chunks, and release
-        the previous K tile's slots once its WGMMAs are done; after issuing K tile
-        `signal_after`, let the lagging warp group start."""
+        the previous K tile's slots once its WGMMAs are done."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         slots = a_chunks + 1
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
@@ -820,11 +777,6 @@ class GroupedMatmul:
                                   tCrA[(None, None, k_block, a_slot)],
                                   tCrB[(None, None, k_block, b_slot)], accumulators[c])
                 cute.nvgpu.warpgroup.commit_group()
-            if cutlass.const_expr(ROWS_LAG_K_TILES > 0):
-                if k_tile == signal_after:
-                    cute.arch.barrier_arrive(barrier_id=LAG_BARRIER,
-                                             number_of_threads=NUM_CONSUMER_THREADS)
-            if cutlass.const_expr(m_blocks > 0):
                 # Keep one K tile of WGMMAs in flight: the one before it is done with its slots.
                 cute.nvgpu.warpgroup.wait_group(1)
             if k_tile > 0:
