@@ -27,9 +27,9 @@ the WGMMAs read it. Local expert `j` goes to `dw_local[j]` (bf16, rounded from t
 accumulators) unless `replica_flags[j]` is set and `dw_partial` has matrices: then its fp32 sum
 goes to `dw_partial[j]`, the first term of reduce_grad's fixed-order sum, and `dw_local[j]` is left
 for reduce_grad to write. So an expert without replicas is written once, in bf16, and nothing
-else in the step touches it. An empty group runs one K tile, zeroed, and writes zeros, except an
-empty slot group when `zero_unused_slots` is 0: it writes nothing (moe_ffn never reads an unused
-slot's gradient, and zeroing B = epn fp32 slot matrices costs more than the slots that hold rows).
+else in the step touches it. An empty group runs no K tile and writes zeros, except an empty slot
+group when `zero_unused_slots` is 0: it writes nothing (moe_ffn never reads an unused slot's
+gradient, and zeroing B = epn fp32 slot matrices costs more than the slots that hold rows).
 
 The CTA program is persistent and warp-specialised: one CTA per SM walks the work items (tiles;
 dW with a grid stride, ragged M taking each next item from a counter in the tile table's schedule
@@ -146,16 +146,6 @@ def weight_grad_tiles(dw_local: cute.Tensor):
     """(M tiles, N tiles) of one dW output matrix."""
     return (cute.ceil_div(cute.size(dw_local, mode=[0]), DW_TILE_M),
             cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N))
-
-
-@cute.jit
-def weight_grad_k_tiles(num_rows: cutlass.Int32):
-    """K tiles of a dW item whose group has `num_rows` rows: at least one, so that an empty
-    group's item, too, takes its accumulators from WGMMAs (of a K tile zeroed in shared memory,
-    all of whose rows lie past the group) and no item zeroes them in registers (128 per thread,
-    work only the other warp group's MMAs cover: ~3 % of the consumer warps' time at R = 2,
-    ncu)."""
-    return cutlass.max(cute.ceil_div(num_rows, DW_TILE_K), 1)
 
 
 def weight_grad_num_items(dw_local: cute.Tensor, dw_slots: cute.Tensor):
@@ -510,7 +500,7 @@ class GroupedMatmul:
                         gB = cute.local_tile(cute.domain_offset((0, row_start), mB),
                                              (TILE_N, DW_TILE_K), (n_tile, None))
                         producer = self.load(ab_pipeline, producer, tma_a, gA, sA, tma_b, gB, sB,
-                                             weight_grad_k_tiles(num_rows))
+                                             cute.ceil_div(num_rows, DW_TILE_K))
                     mat, m_tile, n_tile = next_mat, next_m_tile, next_n_tile
                     has_work, row_start, num_rows, _ = next_item
                 ab_pipeline.producer_tail(producer)
@@ -544,7 +534,7 @@ class GroupedMatmul:
                 if has_work != 0:
                     read, release, lag_left = self.consume(
                         ab_pipeline, read, release, tiled_mma, tCrA, tCrB, accumulators, sA, sB,
-                        weight_grad_k_tiles(num_rows), num_rows, group, lag_left)
+                        cute.ceil_div(num_rows, DW_TILE_K), num_rows, group, lag_left)
                     cC = cute.local_tile(cute.make_identity_tensor((d0, d1)), (DW_TILE_M, TILE_N),
                                          (m_tile, n_tile))
                     if mat < num_local:
@@ -698,10 +688,9 @@ class GroupedMatmul:
         memory before the WGMMAs read them. Every stage read is released once its WGMMAs are
         done, the last one included, so the producer runs ahead into the next work item while
         this one is stored. Warp group 0 lets warp group 1 start once it has issued its first
-        DW_LAG_K_TILES K tiles (`lag_left` counts them down; returned). The item's first WGMMAs
-        overwrite the accumulators (ACCUMULATE off), the others add to them."""
+        DW_LAG_K_TILES K tiles (`lag_left` counts them down; returned)."""
+        accumulators.fill(0.0)
         num_k_blocks = cute.size(tCrA, mode=[2])
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
             ab_pipeline.consumer_wait(read)
             if (k_tile + 1) * DW_TILE_K > valid_k:
@@ -710,7 +699,6 @@ class GroupedMatmul:
             for k_block in cutlass.range_constexpr(num_k_blocks):
                 coord = (None, None, k_block, read.index)
                 cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             cute.nvgpu.warpgroup.commit_group()
             if lag_left > 0:
                 lag_left -= 1
