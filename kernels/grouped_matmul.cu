@@ -28,18 +28,6 @@ constexpr int kMailboxWLocal = mailbox_slot(kOpGroupedMatmul, 0);
 // in every call, also replayed from a CUDA graph. Overflow table (when `overflow_table` is not
 // null): row 0 = (count, 0, 0, 0), row 1 + i = (row_start, row_end, home rank, local expert index)
 // of overflow tile i.
-//
-// The CuTe table lists its tiles in pairs, the costliest tile with the cheapest, the second
-// costliest with the second cheapest, and so on, and the kernels' work items alternate between
-// the two tiles of a pair N tile by N tile (rows_item in grouped_matmul.py). A tile's cost is its
-// 64-row WGMMA blocks (a zero tile: none); ties keep segment order. Every tile streams the same
-// bytes of weights per N tile whatever its rows, so a tile of a few rows waits on memory for
-// most of its time and a full one on its MMAs: in segment order the small groups of a skewed plan
-// come in runs that leave the tensor cores waiting (a model of the R = 2 maxvio 20 plans: 88-89 %
-// of the MMA rate in segment order, 90-91 % paired, 91 % with unlimited DRAM bandwidth).
-constexpr int kCostClasses = kGroupedMatmulTileM / kGroupedMatmulAtomM + 1;  // 0 .. 6 blocks
-constexpr int kScanRows = kCostClasses + 1;  // the tiles of each cost class, then overflow tiles
-
 __device__ void segment_of(const int32_t* cu_seqlens, int32_t num_groups, int32_t num_experts,
                            int32_t first_local, int32_t num_local, int32_t num_rows, bool overflow,
                            int32_t s, int32_t& kind, int32_t& start, int32_t& end, int32_t& mat) {
@@ -67,34 +55,21 @@ __device__ void segment_of(const int32_t* cu_seqlens, int32_t num_groups, int32_
   }
 }
 
-// Inclusive Hillis-Steele scans of the kScanRows rows of `partial` over the CTA, side by side.
-__device__ void cta_inclusive_scan(int32_t (*partial)[kTableThreads]) {
+// Inclusive Hillis-Steele scan of `partial` over the CTA; returns the CTA total.
+__device__ int32_t cta_inclusive_scan(int32_t* partial) {
   __syncthreads();
   for (int offset = 1; offset < kTableThreads; offset *= 2) {
-    int32_t add[kScanRows];
-    for (int r = 0; r < kScanRows; ++r)
-      add[r] = threadIdx.x >= offset ? partial[r][threadIdx.x - offset] : 0;
+    const int32_t add = threadIdx.x >= offset ? partial[threadIdx.x - offset] : 0;
     __syncthreads();
-    for (int r = 0; r < kScanRows; ++r) partial[r][threadIdx.x] += add[r];
+    partial[threadIdx.x] += add;
     __syncthreads();
   }
+  return partial[kTableThreads - 1];
 }
 
 // Rows per tile of a segment: the overflow kernel has its own CTA tile.
 __device__ int32_t tile_rows(int32_t kind) {
   return kind == kKindOverflow ? kGroupedMatmulOverflowTileM : kGroupedMatmulTileM;
-}
-
-// Cost class of a CuTe tile of rows [row, end): its WGMMA blocks.
-__device__ int32_t cost_class(int32_t kind, int32_t row, int32_t end) {
-  const int32_t rows = min(end - row, kGroupedMatmulTileM);
-  return kind == kKindZero ? 0 : (rows + kGroupedMatmulAtomM - 1) / kGroupedMatmulAtomM;
-}
-
-// Table index of the tile at position `rank` of the costliest-first order of `num_tiles`: the
-// first half go to the even indices in order, the second half to the odd ones from the end.
-__device__ int32_t paired_index(int32_t rank, int32_t num_tiles) {
-  return rank < (num_tiles + 1) / 2 ? 2 * rank : 2 * (num_tiles - 1 - rank) + 1;
 }
 
 __device__ void write_entry(int32_t* table, int32_t index, int32_t c0, int32_t c1, int32_t c2,
@@ -112,10 +87,8 @@ __global__ void __launch_bounds__(kTableThreads)
                                      int32_t num_rows, int32_t max_tiles,
                                      int32_t max_overflow_tiles, int32_t* table,
                                      int32_t* schedule, int32_t* overflow_table) {
-  // Row c < kCostClasses: this thread's tiles of cost class c, scanned over the threads; the
-  // last row: its overflow tiles.
-  __shared__ int32_t partial[kScanRows][kTableThreads];
-  constexpr int kOverflowRow = kCostClasses;
+  __shared__ int32_t partial[kTableThreads];
+  __shared__ int32_t partial_overflow[kTableThreads];
   const bool overflow = overflow_table != nullptr;
   const int32_t num_experts = num_groups - num_slots;
   const int32_t first_local = ep_rank[0] * num_local;
@@ -124,37 +97,31 @@ __global__ void __launch_bounds__(kTableThreads)
   const int32_t seg_begin = min(static_cast<int32_t>(threadIdx.x) * chunk, num_segments);
   const int32_t seg_end = min(seg_begin + chunk, num_segments);
   int32_t kind, start, end, mat;
-  int32_t mine[kScanRows] = {};
+  int32_t my_tiles = 0, my_overflow_tiles = 0;
   for (int32_t s = seg_begin; s < seg_end; ++s) {
     segment_of(cu_seqlens, num_groups, num_experts, first_local, num_local, num_rows, overflow, s,
                kind, start, end, mat);
-    for (int32_t row = start; row < end; row += tile_rows(kind))
-      ++mine[kind == kKindOverflow ? kOverflowRow : cost_class(kind, row, end)];
+    const int32_t tile_m = tile_rows(kind);
+    (kind == kKindOverflow ? my_overflow_tiles : my_tiles) += (end - start + tile_m - 1) / tile_m;
   }
-  for (int r = 0; r < kScanRows; ++r) partial[r][threadIdx.x] = mine[r];
-  cta_inclusive_scan(partial);
-  // Position of this thread's next tile of each class in the costliest-first order: the tiles of
-  // costlier classes, then those of its class on earlier threads.
-  int32_t next[kScanRows];
-  int32_t total = 0;
-  for (int c = kCostClasses - 1; c >= 0; --c) {
-    next[c] = total + partial[c][threadIdx.x] - mine[c];
-    total += partial[c][kTableThreads - 1];
-  }
-  next[kOverflowRow] = partial[kOverflowRow][threadIdx.x] - mine[kOverflowRow];
-  const int32_t total_overflow = partial[kOverflowRow][kTableThreads - 1];
+  partial[threadIdx.x] = my_tiles;
+  partial_overflow[threadIdx.x] = my_overflow_tiles;
+  const int32_t total = cta_inclusive_scan(partial);
+  const int32_t total_overflow = cta_inclusive_scan(partial_overflow);
+  int32_t tile = partial[threadIdx.x] - my_tiles;
+  int32_t overflow_tile = partial_overflow[threadIdx.x] - my_overflow_tiles;
   for (int32_t s = seg_begin; s < seg_end; ++s) {
     segment_of(cu_seqlens, num_groups, num_experts, first_local, num_local, num_rows, overflow, s,
                kind, start, end, mat);
     for (int32_t row = start; row < end; row += tile_rows(kind)) {
       if (kind != kKindOverflow) {
-        const int32_t index = paired_index(next[cost_class(kind, row, end)]++, total);
-        if (index < max_tiles) write_entry(table, index, kind, row, end, mat);
+        if (tile < max_tiles) write_entry(table, tile, kind, row, end, mat);
+        ++tile;
       } else {
-        const int32_t overflow_tile = next[kOverflowRow]++;
         if (overflow_tile < max_overflow_tiles)
           write_entry(overflow_table, 1 + overflow_tile, row, end, mat / num_local,
                       mat % num_local);
+        ++overflow_tile;
       }
     }
   }

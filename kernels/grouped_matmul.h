@@ -17,9 +17,6 @@ namespace moonep {
 // overflow kernel (its own CTA tile).
 constexpr int32_t kGroupedMatmulTileM = 384;
 constexpr int32_t kGroupedMatmulOverflowTileM = 128;
-// Rows of one WGMMA of the ragged-M kernels (ATOM_M in grouped_matmul.py): a tile's MMAs cost its
-// rows rounded up to this, which is how the tile table orders its tiles.
-constexpr int32_t kGroupedMatmulAtomM = 64;
 
 // Tile-table entries needed at most with `tile_m`-row tiles: ceil(NvS / tile_m) full tiles, plus
 // one partial tile per group, plus the zero tail past cu_seqlens[G-1].

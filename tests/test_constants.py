@@ -45,7 +45,6 @@ def test_cutedsl_tile_table_constants_equal_the_extensions():
                                "SCHEDULE_TILES", "SCHEDULE_NEXT_ITEM"}
     assert {name: dsl[name] for name in exported} == exported
     assert dsl["TILE_M"] == _ffi.lib().GROUPED_MATMUL_TILE_M
-    assert dsl["ATOM_M"] == _ffi.lib().GROUPED_MATMUL_ATOM_M
 
 
 def test_benchmarks_fallback_tile_height_equals_the_kernels():

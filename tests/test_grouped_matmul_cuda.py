@@ -93,12 +93,10 @@ def test_grouped_matmul_forward_and_dx_match_fp32_reference(seed, case, num_rows
     _assert_bf16_close(dx, dx_ref)
 
 
-def _expected_tile_table(cu_seqlens, num_rows, tile_m, atom_m, kinds):
+def _expected_tile_table(cu_seqlens, num_rows, tile_m, kinds):
     """The used entries of the ragged-M tile table, as kernels/grouped_matmul.cu defines them: per
     segment (each group, then the rows past cu_seqlens[-1]) one (kind, row_start, row_end, mat)
-    per tile_m rows; a group of another rank's expert (bad plan data without overflow) is zeroed.
-    Listed costliest first (atom_m-row blocks, none for a zero tile; ties in segment order) and
-    paired: the i-th costliest at index 2i, the i-th cheapest at 2i + 1."""
+    per tile_m rows; a group of another rank's expert (bad plan data without overflow) is zeroed."""
     entries = []
     ends = list(cu_seqlens) + [num_rows]
     for s, end in enumerate(ends):
@@ -110,21 +108,12 @@ def _expected_tile_table(cu_seqlens, num_rows, tile_m, atom_m, kinds):
         else:
             kind, mat = kinds["KIND_ZERO"], 0
         entries += [(kind, row, end, mat) for row in range(start, end, tile_m)]
-
-    def cost(entry):
-        kind, row, end, _ = entry
-        return 0 if kind == kinds["KIND_ZERO"] else -(-min(end - row, tile_m) // atom_m)
-
-    by_cost = sorted(entries, key=cost, reverse=True)  # stable: ties keep segment order
-    half = (len(by_cost) + 1) // 2
-    paired = [None] * len(by_cost)
-    paired[0::2], paired[1::2] = by_cost[:half], by_cost[half:][::-1]
-    return np.array(paired, np.int32).reshape(-1, 4)
+    return np.array(entries, np.int32).reshape(-1, 4)
 
 
 def test_tile_table_lists_the_plans_tiles_and_every_work_item_is_taken_once(seed):
-    """The forward's tile-table scratch: its used entries are the plan's tiles, the costliest
-    paired with the cheapest, and its schedule row holds their count and the work-item counter after the launch, which every CTA's producer
+    """The forward's tile-table scratch: its used entries are the plan's tiles, and its schedule
+    row holds their count and the work-item counter after the launch, which every CTA's producer
     takes from until it runs past the last item: it ends at exactly tiles x N tiles (an item taken
     twice, or one lost, would move it), also after a second launch into a fresh table."""
     from test_constants import REPO, module_constants
@@ -148,8 +137,7 @@ def test_tile_table_lists_the_plans_tiles_and_every_work_item_is_taken_once(seed
         jax.ShapeDtypeStruct((num_rows, d1), jnp.bfloat16),
         jax.ShapeDtypeStruct((rows, kinds["TABLE_COLUMNS"]), jnp.int32)))(
             *a, **_NO_TRANSPORT))
-    expected = _expected_tile_table(cu_seqlens, num_rows, tile_m(),
-                                    _ffi.lib().GROUPED_MATMUL_ATOM_M, kinds)
+    expected = _expected_tile_table(cu_seqlens, num_rows, tile_m(), kinds)
     num_n_tiles = -(-d1 // tile_n)
     for _ in range(2):
         _, table = call(x, w_local, w_slots, cu_seqlens, np.array([RANK], np.int32))

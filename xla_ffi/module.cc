@@ -42,7 +42,6 @@ PYBIND11_MODULE(_moonep_jax_cuda, m) {
         py::arg("num_groups"), py::arg("overflow"),
         "Rows of the grouped GEMM's [rows, TABLE_COLUMNS] int32 tile-table scratch.");
   m.attr("GROUPED_MATMUL_TILE_M") = moonep::kGroupedMatmulTileM;
-  m.attr("GROUPED_MATMUL_ATOM_M") = moonep::kGroupedMatmulAtomM;
   m.attr("MAX_PREFETCH_WEIGHTS") = moonep::kMaxPrefetchWeights;
   m.def(
       "plan_graph_nodes",

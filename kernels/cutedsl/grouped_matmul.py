@@ -50,9 +50,7 @@ tiles in flight and a full one 3.5. With stages of a fixed 64 KB (3, A for 384 r
 group's tile filled each stage only to 32 KB and waited on memory latency: at high skew every extra
 tile cost ~19 us, half of what an average tile costs (bench_gemm, gate_up forward, fitted over the
 groupings), while the SMs stayed busy (ncu: active 96 % of the time at maxvio 0.2 and 20) and the
-tensor pipes fell from 81 % to 61 %. The ring against those stages (one H200, one call, R=2
-maxvio 20): gate_up forward 8.46 against 8.72 ms, dX 8.66 against 9.23; down forward 4.69 against
-4.87, dX 4.46 against 4.62; at maxvio 0.2 within the runs' spread. With 256-row tiles a real EP=2
+tensor pipes fell from 81 % to 61 %. Not yet measured on a GPU. With 256-row tiles a real EP=2
 plan's ~340-row groups took a full and a partial tile that each streamed the weights; the partial
 tile, twice as fast through its MMAs, ran ahead of the full one, so both missed L2 (ncu, gate_up
 forward at the R=2 maxvio 1 plan: 29 GB read from DRAM for 11 GB of weights, L2 hit rate 27 %, 62 %
@@ -249,23 +247,13 @@ class GroupedMatmul:
                  stream=stream)
 
     @cute.jit
-    def rows_item(self, item: cutlass.Int32, num_tiles: cutlass.Int32, mA: cute.Tensor,
-                  mB_local: cute.Tensor, mB_slots: cute.Tensor, mC: cute.Tensor,
-                  tile_table: cute.Tensor):
+    def rows_item(self, item: cutlass.Int32, mA: cute.Tensor, mB_local: cute.Tensor,
+                  mB_slots: cute.Tensor, mC: cute.Tensor, tile_table: cute.Tensor):
         """Work item -> (kind, row_start, row_end, K tiles, gA, gB_local, gB_slots, n_tile);
-        `gA` is (A_CHUNK_M, TILE_K, row chunk, K tile) from `row_start`. The table lists its
-        `num_tiles` tiles in pairs, a costly tile and a cheap one (kernels/grouped_matmul.cu), and
-        a pair's items alternate between its two tiles, N tile by N tile, so that the CTAs running
-        at once share the memory-bound tiles of small groups with MMA-bound ones; an odd last tile
-        is a pair of its own."""
+        `gA` is (A_CHUNK_M, TILE_K, row chunk, K tile) from `row_start`."""
         num_n_tiles = cute.ceil_div(cute.size(mC, mode=[1]), TILE_N)
-        pair = item // (2 * num_n_tiles)
-        in_pair = item - pair * 2 * num_n_tiles
-        table_idx = 2 * pair
-        n_tile = in_pair
-        if table_idx + 1 < num_tiles:
-            table_idx = table_idx + in_pair % 2
-            n_tile = in_pair // 2
+        n_tile = item % num_n_tiles
+        table_idx = item // num_n_tiles
         kind = tile_table[table_idx, 0]
         row_start = tile_table[table_idx, 1]
         row_end = tile_table[table_idx, 2]
@@ -291,8 +279,7 @@ class GroupedMatmul:
         sB = storage.slots.get_tensor(b_slots.outer, swizzle=b_slots.inner)
         sItems = storage.items.get_tensor(cute.make_layout(ITEM_STAGES))
         # Only the table's used tiles are items: the unused entries past them cost no iteration.
-        num_tiles = schedule[SCHEDULE_TILES]
-        num_items = rows_num_items(mC, num_tiles)
+        num_items = rows_num_items(mC, schedule[SCHEDULE_TILES])
         first_item, item_stride, warp_idx, tidx = persistent_cta()
         if warp_idx < WARPS_PER_GROUP:
             cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
@@ -308,14 +295,14 @@ class GroupedMatmul:
                 # one when its producer gets to it, so a CTA whose items were small takes more.
                 # Dealt round-robin, the tiles of skewed plans (1 to 384 rows) left the most
                 # loaded CTA 4-7 % above the mean (a model of the real plans' items, MMA time
-                # per 128-row chunk; 1 % at maxvio 0.2). Items still start in order, so a pair
-                # of table tiles' N tiles run side by side and share their A rows in L2.
+                # per 128-row chunk; 1 % at maxvio 0.2). Items still start in order, so a table
+                # tile's N tiles run side by side and share its A rows in L2.
                 item = first_item
                 while item < num_items:
                     next_item = self.take_item(schedule, item_stride)
                     item_producer = self.hand_item(item_pipeline, item_producer, sItems, item)
                     kind, row_start, row_end, num_k_tiles, gA, gB_local, gB_slots, _ = (
-                        self.rows_item(item, num_tiles, mA, mB_local, mB_slots, mC, tile_table))
+                        self.rows_item(item, mA, mB_local, mB_slots, mC, tile_table))
                     a_chunks = tile_chunks(row_start, row_end)
                     if kind == KIND_SLOT:
                         producer = self.load_rows(ab_pipeline, producer, tma_a, gA, sA, a_chunks,
@@ -343,7 +330,7 @@ class GroupedMatmul:
             item, item_consumer = self.receive_item(item_pipeline, item_consumer, sItems)
             while item < num_items:
                 kind, row_start, row_end, num_k_tiles, _, _, _, n_tile = self.rows_item(
-                    item, num_tiles, mA, mB_local, mB_slots, mC, tile_table)
+                    item, mA, mB_local, mB_slots, mC, tile_table)
                 read, release = self.consume_rows(
                     ab_pipeline, read, release, tiled_mma, tCrA, tCrB, accumulators,
                     num_k_tiles, tile_chunks(row_start, row_end), row_end - row_start,
