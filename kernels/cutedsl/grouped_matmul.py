@@ -50,7 +50,9 @@ tiles in flight and a full one 3.5. With stages of a fixed 64 KB (3, A for 384 r
 group's tile filled each stage only to 32 KB and waited on memory latency: at high skew every extra
 tile cost ~19 us, half of what an average tile costs (bench_gemm, gate_up forward, fitted over the
 groupings), while the SMs stayed busy (ncu: active 96 % of the time at maxvio 0.2 and 20) and the
-tensor pipes fell from 81 % to 61 %. Not yet measured on a GPU. With 256-row tiles a real EP=2
+tensor pipes fell from 81 % to 61 %. The ring against those stages (one H200, one call, R=2
+maxvio 20): gate_up forward 8.46 against 8.72 ms, dX 8.66 against 9.23; down forward 4.69 against
+4.87, dX 4.46 against 4.62; at maxvio 0.2 within the runs' spread. With 256-row tiles a real EP=2
 plan's ~340-row groups took a full and a partial tile that each streamed the weights; the partial
 tile, twice as fast through its MMAs, ran ahead of the full one, so both missed L2 (ncu, gate_up
 forward at the R=2 maxvio 1 plan: 29 GB read from DRAM for 11 GB of weights, L2 hit rate 27 %, 62 %
