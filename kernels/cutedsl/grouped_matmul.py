@@ -130,9 +130,6 @@ DW_LAG_K_TILES = 3
 # first's store) leaves 8, and measured no faster (bench_gemm's dW at R = 2 and 8, in one call,
 # both process orders: -3 to +3 % with DW_LAG_K_TILES 3 or 5).
 DW_EPILOGUE_STAGES = 4
-# Ragged M stages one ATOM_M x TILE_N block per warp group: a warp group's whole 64-row blocks
-# leave through shared memory and a TMA store, its last, partial one by predicated stores.
-ROWS_EPILOGUE_STAGES = CONSUMER_GROUPS
 
 
 def rows_num_items(c: cute.Tensor, num_tiles):
@@ -198,23 +195,6 @@ class GroupedMatmul:
         self.b_smem_staged = sm90_utils.make_smem_layout_b(
             b_layout, tile_mnk, self.ab_dtype, self.num_stages)
 
-    def _block_mma(self, a: cute.Tensor, b: cute.Tensor):
-        """One warp group's MMA: its view of one ATOM_M x TILE_N block's accumulators."""
-        return sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, utils.LayoutEnum.from_tensor(a).sm90_mma_major_mode(),
-            utils.LayoutEnum.from_tensor(b).sm90_mma_major_mode(), self.acc_dtype, (1, 1, 1),
-            tiler_mn=(ATOM_M, TILE_N))
-
-    def _epilogue_stages(self, c: cute.Tensor, num_stages: int):
-        """`num_stages` bf16 ATOM_M x TILE_N blocks of shared memory and the TMA store of one to
-        `c`."""
-        staged = sm90_utils.make_smem_layout_epi(
-            self.ab_dtype, utils.LayoutEnum.ROW_MAJOR, (ATOM_M, TILE_N), num_stages)
-        tma_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(staged, (None, None, 0)),
-            (ATOM_M, TILE_N))
-        return staged, tma_c, tma_tensor_c
-
     def _tma_load(self, tensor: cute.Tensor, smem_staged, tile_shape):
         return cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), tensor,
@@ -252,9 +232,7 @@ class GroupedMatmul:
         # (b_smem_staged's), both A_CHUNK_M (= TILE_N) x TILE_K.
         assert TILE_N == A_CHUNK_M, "an A chunk and a B tile share one slot size"
         self._setup(a, b_local, (A_CHUNK_M, TILE_N, TILE_K),
-                    stage_bytes=A_CHUNK_M * TILE_K * a.element_type.width // 8,
-                    reserved_bytes=(ROWS_EPILOGUE_STAGES * ATOM_M * TILE_N
-                                    * a.element_type.width // 8))
+                    stage_bytes=A_CHUNK_M * TILE_K * a.element_type.width // 8)
         # A warp group holds a K tile's slots while it waits for the next one's.
         assert self.num_stages >= 2 * (A_CHUNKS + 1), "the slot ring is too small"
         tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (A_CHUNK_M, TILE_K))
@@ -262,14 +240,11 @@ class GroupedMatmul:
             b_local, self.b_smem_staged, (TILE_N, TILE_K))
         tma_b_slots, tma_tensor_b_slots = self._tma_load(
             b_slots, self.b_smem_staged, (TILE_N, TILE_K))
-        self.c_smem_staged, tma_c, tma_tensor_c = self._epilogue_stages(c, ROWS_EPILOGUE_STAGES)
-        self.shared_storage = self._shared_storage(item_ring=True, slots=self.a_smem_staged,
-                                                   sC=self.c_smem_staged)
+        self.shared_storage = self._shared_storage(item_ring=True, slots=self.a_smem_staged)
         num_items = rows_num_items(c, cute.size(tile_table, mode=[0]))
         self.rows_kernel(
-            self.tiled_mma, self._block_mma(a, b_local), tma_a, tma_tensor_a, tma_b_local,
-            tma_tensor_b_local, tma_b_slots, tma_tensor_b_slots, tma_c, tma_tensor_c, c,
-            tile_table, schedule, self.a_smem_staged, self.b_smem_staged, self.c_smem_staged,
+            self.tiled_mma, tma_a, tma_tensor_a, tma_b_local, tma_tensor_b_local, tma_b_slots,
+            tma_tensor_b_slots, c, tile_table, schedule, self.a_smem_staged, self.b_smem_staged,
         ).launch(grid=(cutlass.min(num_ctas, num_items), 1, 1), block=(self.num_threads, 1, 1),
                  stream=stream)
 
@@ -295,18 +270,16 @@ class GroupedMatmul:
         return kind, row_start, row_end, num_k_tiles, gA, gB_local, gB_slots, n_tile
 
     @cute.kernel
-    def rows_kernel(self, tiled_mma: cute.TiledMma, block_mma: cute.TiledMma,
-                    tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b_local: cute.CopyAtom,
-                    mB_local: cute.Tensor, tma_b_slots: cute.CopyAtom, mB_slots: cute.Tensor,
-                    tma_c: cute.CopyAtom, mC_tma: cute.Tensor, mC: cute.Tensor,
+    def rows_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
+                    tma_b_local: cute.CopyAtom, mB_local: cute.Tensor,
+                    tma_b_slots: cute.CopyAtom, mB_slots: cute.Tensor, mC: cute.Tensor,
                     tile_table: cute.Tensor, schedule: cute.Tensor, a_slots: cute.ComposedLayout,
-                    b_slots: cute.ComposedLayout, c_smem_staged: cute.ComposedLayout):
+                    b_slots: cute.ComposedLayout):
         ab_pipeline, storage = self.make_pipeline()
         item_pipeline = self.make_item_pipeline(storage)
         sA = storage.slots.get_tensor(a_slots.outer, swizzle=a_slots.inner)
         sB = storage.slots.get_tensor(b_slots.outer, swizzle=b_slots.inner)
         sItems = storage.items.get_tensor(cute.make_layout(ITEM_STAGES))
-        sC = storage.sC.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
         # Only the table's used tiles are items: the unused entries past them cost no iteration.
         num_items = rows_num_items(mC, schedule[SCHEDULE_TILES])
         first_item, item_stride, warp_idx, tidx = persistent_cta()
@@ -350,12 +323,7 @@ class GroupedMatmul:
             # This warp group's first row in a chunk (the warp groups take the two ATOM_M-row
             # halves of every chunk), from the warp-uniform warp index: ptxas serialises WGMMAs
             # under a branch it cannot prove uniform.
-            group = warp_idx // WARPS_PER_GROUP - 1
-            first_row = group * ATOM_M
-            storer = warp_idx % WARPS_PER_GROUP == 0  # issues the warp group's TMA stores
-            c_stores = pipeline.PipelineTmaStore.create(
-                num_stages=1, producer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, THREADS_PER_GROUP))
+            first_row = (warp_idx // WARPS_PER_GROUP - 1) * ATOM_M
             # One accumulator per chunk: this warp group's ATOM_M x TILE_N block of it.
             tCrA, tCrB, accumulators, read, release = self.consumer_setup(
                 tiled_mma, sA, sB, thread, (A_CHUNK_M, TILE_N), A_CHUNKS)
@@ -370,26 +338,14 @@ class GroupedMatmul:
                     num_k_tiles, tile_chunks(row_start, row_end), row_end - row_start,
                     first_row)
                 # Store rows [row_start, row_end) of this tile, chunk by chunk; columns < N
-                # (and < D0 for dX). A block of the warp group's that lies within the group
-                # goes through shared memory and a TMA store (which clips at N), its partial
-                # last one by predicated stores, which never write a row of the next group.
+                # (and < D0 for dX).
                 for c in cutlass.range_constexpr(A_CHUNKS):
-                    chunk_start = row_start + c * A_CHUNK_M
-                    rows_in_block = row_end - chunk_start - first_row
-                    if rows_in_block >= ATOM_M:
-                        gC = cute.local_tile(cute.domain_offset((chunk_start, 0), mC_tma),
-                                             (A_CHUNK_M, TILE_N), (0, n_tile))
-                        self.store_through_shared(block_mma, thread, accumulators[c], tma_c,
-                                                  c_stores, storer, sC, group, gC)
-                    elif rows_in_block > 0:
-                        gC = cute.local_tile(cute.domain_offset((chunk_start, 0), mC),
-                                             (A_CHUNK_M, TILE_N), (0, n_tile))
-                        self.store_segments(tiled_mma, thread, accumulators[c], gC,
-                                            row_end - chunk_start,
-                                            cute.size(mC, mode=[1]) - n_tile * TILE_N)
+                    gC = cute.local_tile(cute.domain_offset((row_start + c * A_CHUNK_M, 0), mC),
+                                         (A_CHUNK_M, TILE_N), (0, n_tile))
+                    self.store_segments(tiled_mma, thread, accumulators[c], gC,
+                                        row_end - row_start - c * A_CHUNK_M,
+                                        cute.size(mC, mode=[1]) - n_tile * TILE_N)
                 item, item_consumer = self.receive_item(item_pipeline, item_consumer, sItems)
-            if storer:
-                c_stores.producer_tail()
 
     # ---- ragged K: dW -------------------------------------------------------------------------
 
@@ -423,9 +379,16 @@ class GroupedMatmul:
         assert DW_LAG_K_TILES < self.num_stages, "warp group 0 would wait for warp group 1"
         assert DW_EPILOGUE_STAGES % CONSUMER_GROUPS == 0
         assert (DW_TILE_M // ATOM_M) % DW_EPILOGUE_STAGES == 0
-        self.c_smem_staged, tma_c, tma_tensor_c = self._epilogue_stages(dw_local,
-                                                                        DW_EPILOGUE_STAGES)
-        block_mma = self._block_mma(a, b)
+        self.c_smem_staged = sm90_utils.make_smem_layout_epi(
+            self.ab_dtype, utils.LayoutEnum.ROW_MAJOR, (ATOM_M, TILE_N), DW_EPILOGUE_STAGES)
+        tma_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), dw_local,
+            cute.slice_(self.c_smem_staged, (None, None, 0)), (ATOM_M, TILE_N))
+        # One warp group's MMA: its view of one block's accumulators.
+        block_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, utils.LayoutEnum.from_tensor(a).sm90_mma_major_mode(),
+            utils.LayoutEnum.from_tensor(b).sm90_mma_major_mode(), self.acc_dtype, (1, 1, 1),
+            tiler_mn=(ATOM_M, TILE_N))
         self.shared_storage = self._shared_storage(sA=self.a_smem_staged, sB=self.b_smem_staged,
                                                    sC=self.c_smem_staged)
         num_items = weight_grad_num_items(dw_local, dw_slots)
@@ -969,7 +932,7 @@ class GroupedMatmul:
         values = self.rounded(accumulators, sC.element_type)
         block_values = thr_store.retile(values)
         blocks = cute.size(values, mode=[1])
-        stages = cute.size(sC, mode=[2]) // CONSUMER_GROUPS  # of this warp group
+        stages = DW_EPILOGUE_STAGES // CONSUMER_GROUPS  # of this warp group
         sC_for_tma, gC_for_tma = cute.nvgpu.cpasync.tma_partition(
             tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
             cute.zipped_divide(gC, (ATOM_M, TILE_N)))
