@@ -881,7 +881,9 @@ class GroupedMatmul:
         A segment never straddles a limit: column limits are multiples of 8 elements
         (`ALIGN_ELEMS`, checked by the launchers). dW's staged bf16 tile goes into its swizzled
         shared memory by stmatrix instead (`store_through_shared`): segments there made dW 1-9 %
-        slower than pair stores.
+        slower than pair stores. The same path for ragged M's whole blocks, its stages taken from
+        the slot ring, measured no faster: what it saved full tiles, the shallower ring cost the
+        small ones (README, grouped GEMM).
         """
         thr_mma = tiled_mma.get_slice(thread)
         # Pairs of the thread: pair v + 2 * b is row half v (rows 8 apart) of column block b (the
