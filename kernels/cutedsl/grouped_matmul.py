@@ -117,10 +117,9 @@ WARPS_PER_GROUP = THREADS_PER_GROUP // 32
 CONSUMER_GROUPS = 2
 NUM_CONSUMER_THREADS = CONSUMER_GROUPS * THREADS_PER_GROUP
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 * 40 + 256 * 232 <= 64K registers per SM
-# Named barriers (0 is __syncthreads): consumer warp group g synchronises its own threads on
-# FIRST_GROUP_BARRIER + g; in dW warp group 1 waits on LAG_BARRIER for warp group 0's head start;
-# in ragged M both wait on SLOTS_READ_BARRIER until their last K tile's WGMMAs are done.
-FIRST_GROUP_BARRIER, LAG_BARRIER, SLOTS_READ_BARRIER = 1, 3, 4
+# Named barriers (0 is __syncthreads): dW's consumer warp group g synchronises its own threads on
+# FIRST_GROUP_BARRIER + g; warp group 1 waits on LAG_BARRIER for warp group 0's head start.
+FIRST_GROUP_BARRIER, LAG_BARRIER = 1, 3
 # dW: warp group 1 multiplies this many K tiles behind warp group 0 (it starts once warp group 0
 # has issued that many), so that one group's epilogue runs while the other still multiplies the
 # item's last K tiles. Both read every stage, so the lag must stay below the ring's stages.
@@ -196,23 +195,6 @@ class GroupedMatmul:
         self.b_smem_staged = sm90_utils.make_smem_layout_b(
             b_layout, tile_mnk, self.ab_dtype, self.num_stages)
 
-    def _block_mma(self, a: cute.Tensor, b: cute.Tensor):
-        """One warp group's MMA: its view of one ATOM_M x TILE_N block's accumulators."""
-        return sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, utils.LayoutEnum.from_tensor(a).sm90_mma_major_mode(),
-            utils.LayoutEnum.from_tensor(b).sm90_mma_major_mode(), self.acc_dtype, (1, 1, 1),
-            tiler_mn=(ATOM_M, TILE_N))
-
-    def _epilogue_stages(self, c: cute.Tensor, num_stages: int):
-        """`num_stages` bf16 ATOM_M x TILE_N blocks of shared memory and the TMA store of one to
-        `c`."""
-        staged = sm90_utils.make_smem_layout_epi(
-            self.ab_dtype, utils.LayoutEnum.ROW_MAJOR, (ATOM_M, TILE_N), num_stages)
-        tma_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(staged, (None, None, 0)),
-            (ATOM_M, TILE_N))
-        return staged, tma_c, tma_tensor_c
-
     def _tma_load(self, tensor: cute.Tensor, smem_staged, tile_shape):
         return cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), tensor,
@@ -258,16 +240,11 @@ class GroupedMatmul:
             b_local, self.b_smem_staged, (TILE_N, TILE_K))
         tma_b_slots, tma_tensor_b_slots = self._tma_load(
             b_slots, self.b_smem_staged, (TILE_N, TILE_K))
-        # The epilogue stages a bf16 ATOM_M x TILE_N block in a slot of the item's last K tile:
-        # the ring's slots viewed as epilogue stages.
-        assert ATOM_M * TILE_N == A_CHUNK_M * TILE_K, "an epilogue block fills one slot"
-        self.c_smem_staged, tma_c, tma_tensor_c = self._epilogue_stages(c, self.num_stages)
         self.shared_storage = self._shared_storage(item_ring=True, slots=self.a_smem_staged)
         num_items = rows_num_items(c, cute.size(tile_table, mode=[0]))
         self.rows_kernel(
-            self.tiled_mma, self._block_mma(a, b_local), tma_a, tma_tensor_a, tma_b_local,
-            tma_tensor_b_local, tma_b_slots, tma_tensor_b_slots, tma_c, tma_tensor_c, c,
-            tile_table, schedule, self.a_smem_staged, self.b_smem_staged, self.c_smem_staged,
+            self.tiled_mma, tma_a, tma_tensor_a, tma_b_local, tma_tensor_b_local, tma_b_slots,
+            tma_tensor_b_slots, c, tile_table, schedule, self.a_smem_staged, self.b_smem_staged,
         ).launch(grid=(cutlass.min(num_ctas, num_items), 1, 1), block=(self.num_threads, 1, 1),
                  stream=stream)
 
@@ -293,18 +270,16 @@ class GroupedMatmul:
         return kind, row_start, row_end, num_k_tiles, gA, gB_local, gB_slots, n_tile
 
     @cute.kernel
-    def rows_kernel(self, tiled_mma: cute.TiledMma, block_mma: cute.TiledMma,
-                    tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b_local: cute.CopyAtom,
-                    mB_local: cute.Tensor, tma_b_slots: cute.CopyAtom, mB_slots: cute.Tensor,
-                    tma_c: cute.CopyAtom, mC_tma: cute.Tensor, mC: cute.Tensor,
+    def rows_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
+                    tma_b_local: cute.CopyAtom, mB_local: cute.Tensor,
+                    tma_b_slots: cute.CopyAtom, mB_slots: cute.Tensor, mC: cute.Tensor,
                     tile_table: cute.Tensor, schedule: cute.Tensor, a_slots: cute.ComposedLayout,
-                    b_slots: cute.ComposedLayout, c_smem_staged: cute.ComposedLayout):
+                    b_slots: cute.ComposedLayout):
         ab_pipeline, storage = self.make_pipeline()
         item_pipeline = self.make_item_pipeline(storage)
         sA = storage.slots.get_tensor(a_slots.outer, swizzle=a_slots.inner)
         sB = storage.slots.get_tensor(b_slots.outer, swizzle=b_slots.inner)
         sItems = storage.items.get_tensor(cute.make_layout(ITEM_STAGES))
-        sC = storage.slots.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
         # Only the table's used tiles are items: the unused entries past them cost no iteration.
         num_items = rows_num_items(mC, schedule[SCHEDULE_TILES])
         first_item, item_stride, warp_idx, tidx = persistent_cta()
@@ -348,12 +323,7 @@ class GroupedMatmul:
             # This warp group's first row in a chunk (the warp groups take the two ATOM_M-row
             # halves of every chunk), from the warp-uniform warp index: ptxas serialises WGMMAs
             # under a branch it cannot prove uniform.
-            group = warp_idx // WARPS_PER_GROUP - 1
-            first_row = group * ATOM_M
-            storer = warp_idx % WARPS_PER_GROUP == 0  # issues the warp group's TMA stores
-            c_stores = pipeline.PipelineTmaStore.create(
-                num_stages=1, producer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, THREADS_PER_GROUP))
+            first_row = (warp_idx // WARPS_PER_GROUP - 1) * ATOM_M
             # One accumulator per chunk: this warp group's ATOM_M x TILE_N block of it.
             tCrA, tCrB, accumulators, read, release = self.consumer_setup(
                 tiled_mma, sA, sB, thread, (A_CHUNK_M, TILE_N), A_CHUNKS)
@@ -368,41 +338,14 @@ class GroupedMatmul:
                     num_k_tiles, tile_chunks(row_start, row_end), row_end - row_start,
                     first_row)
                 # Store rows [row_start, row_end) of this tile, chunk by chunk; columns < N
-                # (and < D0 for dX). A block of the warp group's that lies within the group
-                # goes through shared memory and a TMA store (which clips at N), staged in a
-                # slot of the item's last K tile (warp group g's: its slot g), which both warp
-                # groups still hold; its partial last one by predicated stores, which never
-                # write a row of the next group. An item without K tiles holds no slot.
-                staged = num_k_tiles > 0
-                stage = (release.index + group) % self.num_stages
-                if staged:
-                    cute.arch.barrier(barrier_id=SLOTS_READ_BARRIER,
-                                      number_of_threads=NUM_CONSUMER_THREADS)
+                # (and < D0 for dX).
                 for c in cutlass.range_constexpr(A_CHUNKS):
-                    chunk_start = row_start + c * A_CHUNK_M
-                    rows_in_block = row_end - chunk_start - first_row
-                    if staged and rows_in_block >= ATOM_M:
-                        gC = cute.local_tile(cute.domain_offset((chunk_start, 0), mC_tma),
-                                             (A_CHUNK_M, TILE_N), (0, n_tile))
-                        self.store_through_shared(block_mma, thread, accumulators[c], tma_c,
-                                                  c_stores, storer, sC, group, gC, stage, 1)
-                    elif rows_in_block > 0:
-                        gC = cute.local_tile(cute.domain_offset((chunk_start, 0), mC),
-                                             (A_CHUNK_M, TILE_N), (0, n_tile))
-                        self.store_segments(tiled_mma, thread, accumulators[c], gC,
-                                            row_end - chunk_start,
-                                            cute.size(mC, mode=[1]) - n_tile * TILE_N)
-                if staged:
-                    # The last K tile's slots go back to the producer once the TMA store has
-                    # read the stage.
-                    if storer:
-                        c_stores.producer_acquire()
-                    self.group_barrier(group)
-                    release = self.release_slots(
-                        ab_pipeline, release, tile_chunks(row_start, row_end) + 1)
+                    gC = cute.local_tile(cute.domain_offset((row_start + c * A_CHUNK_M, 0), mC),
+                                         (A_CHUNK_M, TILE_N), (0, n_tile))
+                    self.store_segments(tiled_mma, thread, accumulators[c], gC,
+                                        row_end - row_start - c * A_CHUNK_M,
+                                        cute.size(mC, mode=[1]) - n_tile * TILE_N)
                 item, item_consumer = self.receive_item(item_pipeline, item_consumer, sItems)
-            if storer:
-                c_stores.producer_tail()
 
     # ---- ragged K: dW -------------------------------------------------------------------------
 
@@ -436,9 +379,16 @@ class GroupedMatmul:
         assert DW_LAG_K_TILES < self.num_stages, "warp group 0 would wait for warp group 1"
         assert DW_EPILOGUE_STAGES % CONSUMER_GROUPS == 0
         assert (DW_TILE_M // ATOM_M) % DW_EPILOGUE_STAGES == 0
-        self.c_smem_staged, tma_c, tma_tensor_c = self._epilogue_stages(dw_local,
-                                                                        DW_EPILOGUE_STAGES)
-        block_mma = self._block_mma(a, b)
+        self.c_smem_staged = sm90_utils.make_smem_layout_epi(
+            self.ab_dtype, utils.LayoutEnum.ROW_MAJOR, (ATOM_M, TILE_N), DW_EPILOGUE_STAGES)
+        tma_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), dw_local,
+            cute.slice_(self.c_smem_staged, (None, None, 0)), (ATOM_M, TILE_N))
+        # One warp group's MMA: its view of one block's accumulators.
+        block_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, utils.LayoutEnum.from_tensor(a).sm90_mma_major_mode(),
+            utils.LayoutEnum.from_tensor(b).sm90_mma_major_mode(), self.acc_dtype, (1, 1, 1),
+            tiler_mn=(ATOM_M, TILE_N))
         self.shared_storage = self._shared_storage(sA=self.a_smem_staged, sB=self.b_smem_staged,
                                                    sC=self.c_smem_staged)
         num_items = weight_grad_num_items(dw_local, dw_slots)
@@ -597,9 +547,8 @@ class GroupedMatmul:
                         else:
                             gC = cute.local_tile(mC[None, None, mat], (DW_TILE_M, TILE_N),
                                                  (m_tile, n_tile))
-                            self.store_through_shared(
-                                block_mma, thread, accumulators, tma_c, c_stores, storer, sC,
-                                group, gC, group, DW_EPILOGUE_STAGES // CONSUMER_GROUPS)
+                            self.store_through_shared(block_mma, thread, accumulators, tma_c,
+                                                      c_stores, storer, sC, group, gC)
                     else:
                         gC = cute.local_tile(dw_slots[None, None, mat - num_local],
                                              (DW_TILE_M, TILE_N), (m_tile, n_tile))
@@ -810,8 +759,7 @@ class GroupedMatmul:
                       m_blocks: cutlass.Constexpr[int]):
         """The K loop of one warp group, ragged M: per K tile, wait for its slots (A chunks in
         order, then B), WGMMAs into the accumulators of its first `m_blocks` chunks, and release
-        the previous K tile's slots once its WGMMAs are done. The last K tile's slots stay held:
-        the epilogue stages its blocks there."""
+        the previous K tile's slots once its WGMMAs are done."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         slots = a_chunks + 1
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
@@ -834,18 +782,16 @@ class GroupedMatmul:
                 # Keep one K tile of WGMMAs in flight: the one before it is done with its slots.
                 cute.nvgpu.warpgroup.wait_group(1)
             if k_tile > 0:
-                release = self.release_slots(ab_pipeline, release, slots)
+                for _ in cutlass.range(slots, unroll=1):
+                    ab_pipeline.consumer_release(release)
+                    release.advance()
         if cutlass.const_expr(m_blocks > 0):
             cute.nvgpu.warpgroup.wait_group(0)
+        if num_k_tiles > 0:
+            for _ in cutlass.range(slots, unroll=1):
+                ab_pipeline.consumer_release(release)
+                release.advance()
         return read, release
-
-    @cute.jit
-    def release_slots(self, ab_pipeline, release, slots: cutlass.Int32):
-        """Consumer warp: release the next `slots` slots of the ring."""
-        for _ in cutlass.range(slots, unroll=1):
-            ab_pipeline.consumer_release(release)
-            release.advance()
-        return release
 
     @cute.jit
     def zero_k_tail(self, sA: cute.Tensor, sB: cute.Tensor, stage: cutlass.Int32,
@@ -971,12 +917,11 @@ class GroupedMatmul:
     @cute.jit
     def store_through_shared(self, block_mma: cute.TiledMma, thread: cutlass.Int32,
                              accumulators: cute.Tensor, tma_c: cute.CopyAtom, c_stores, storer,
-                             sC: cute.Tensor, group: cutlass.Int32, gC: cute.Tensor,
-                             first_stage: cutlass.Int32, stages: cutlass.Constexpr[int]):
+                             sC: cute.Tensor, group: cutlass.Int32, gC: cute.Tensor):
         """Consumer warp group `group`: store its accumulators (one ATOM_M-row block of the tile
         per MMA row, block `2m + group` for row m) to the tile `gC` of a TMA tensor: registers ->
-        its `stages` stages of `sC` (`first_stage`, `first_stage + 2`, ...; `block_mma` is one warp
-        group's view of a block) by stmatrix, four 8 x 8 bf16 matrices a warp per instruction (16 a block
+        its stages of `sC` (stages `group`, `group + 2`, ...; `block_mma` is one warp group's view
+        of a block) by stmatrix, four 8 x 8 bf16 matrices a warp per instruction (16 a block
         where pair stores took 64: the epilogue is work only the other warp group's MMAs cover),
         then one TMA store per block that runs while the group goes on. Before its
         stages are written again, the group's previous stores must have read them: with a stage
@@ -989,6 +934,7 @@ class GroupedMatmul:
         values = self.rounded(accumulators, sC.element_type)
         block_values = thr_store.retile(values)
         blocks = cute.size(values, mode=[1])
+        stages = DW_EPILOGUE_STAGES // CONSUMER_GROUPS  # of this warp group
         sC_for_tma, gC_for_tma = cute.nvgpu.cpasync.tma_partition(
             tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
             cute.zipped_divide(gC, (ATOM_M, TILE_N)))
@@ -999,15 +945,14 @@ class GroupedMatmul:
             for m in cutlass.range_constexpr(first, first + stages):
                 cute.copy(matrix_store, block_values[None, m, None],
                           thr_store.partition_D(
-                              sC[None, None, first_stage + CONSUMER_GROUPS * (m - first)])[
+                              sC[None, None, CONSUMER_GROUPS * (m - first) + group])[
                                   None, None, 0])
             # The TMA unit reads shared memory through the async proxy.
             cute.arch.fence_proxy("async.shared", space="cta")
             self.group_barrier(group)
             if storer:
                 for m in cutlass.range_constexpr(first, first + stages):
-                    cute.copy(tma_c,
-                              sC_for_tma[(None, first_stage + CONSUMER_GROUPS * (m - first))],
+                    cute.copy(tma_c, sC_for_tma[(None, CONSUMER_GROUPS * (m - first) + group)],
                               gC_for_tma[(None, CONSUMER_GROUPS * m + group)])
                 c_stores.producer_commit()
 
