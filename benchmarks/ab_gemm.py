@@ -4,11 +4,6 @@ the comparison of such runs.
 
 `run` times every (projection, kind, grouping) and writes `ab_gemm_<tag>_<index>.json`;
 `compare` averages each tag's runs per call and prints them side by side, in % of the first tag.
-With `--in-turn`, each call alternates with a dense GEMM of the same rows (bench_gemm's dense
-reference of its kind; dW's that of bf16 output), call i of each before call i + 1 of either, so
-that both run in the same power state of the GPU, which holds its power limit by its clock; the
-runs then also hold that reference's times, and `compare` adds each tag's time in units of it
-(ratio of the medians), in % of the first tag: a process whose clocks ran lower moves both.
 `tools/gpu.sh ab` runs the two builds (`.gpu` as "new", `.gpu_base` as "base") in both process
 orders, new-base-base-new, since the second process of a pair runs a few % slower, then compares.
 
@@ -37,8 +32,6 @@ import bench_gemm  # noqa: E402
 import plan_groupings  # noqa: E402
 
 KINDS = ("fwd", "dx", "dw")
-# The dense reference (bench_gemm.DENSE_KINDS) each kind alternates with under --in-turn.
-DENSE_REFERENCE = {"fwd": "fwd", "dx": "dx", "dw": "dw_bf16"}
 
 
 def groupings(args, shape: dict, tile_m: int) -> list[dict]:
@@ -72,98 +65,51 @@ def run(args) -> None:
         for epn in sorted({g["epn"] for g in selected}, reverse=True):
             x, dy, w_local, w_slots = bench_gemm.draw(jax.random.key(pi), m, d0, d1, epn)
             moonep = bench_gemm.MoonepCalls(gemm, epn)
-            dense = bench_gemm.dense_calls(x, dy, w_local[0]) if args.in_turn else None
             for g in (g for g in selected if g["epn"] == epn):
                 calls = moonep.at(g, x, dy, w_local, w_slots)
                 for kind in args.kinds:
-                    result = {"proj": proj, "kind": kind, "grouping": g["label"]}
+                    fn, fn_args = calls[kind]
                     with _common.gpu_clocks() as clocks:
-                        result.update(time_call(
-                            calls[kind], None if dense is None else dense[DENSE_REFERENCE[kind]],
-                            args.reps))
-                    median = result["median_ms"]
+                        times = _common.time_calls(fn, fn_args, args.reps)
+                    median = float(np.median(times))
                     flops = bench_gemm.gemm_flops(g["stats"]["rows"], d0, d1)
-                    line = (f"{args.tag:6s} {proj:8s} {kind:3s} {g['label']:22s} {median:8.3f} ms "
-                            f"{flops / median / 1e9:7.1f} TFLOP/s")
-                    if dense is not None:
-                        line += f"  dense in turn {result['dense_median_ms']:.3f} ms"
-                    print(line, flush=True)
-                    results.append({**result, "gpu_clocks": clocks})
-            del w_local, w_slots, dense
+                    print(f"{args.tag:6s} {proj:8s} {kind:3s} {g['label']:22s} {median:8.3f} ms "
+                          f"{flops / median / 1e9:7.1f} TFLOP/s", flush=True)
+                    results.append({"proj": proj, "kind": kind, "grouping": g["label"],
+                                    "median_ms": median, "times_ms": times,
+                                    "gpu_clocks": clocks})
+            del w_local, w_slots
     record = {"schema": "moonep_jax.ab_gemm/1", **_common.provenance(), "tag": args.tag,
               "index": args.index, "reps": args.reps, "cpu_smoke": args.cpu_smoke,
-              "in_turn": args.in_turn,
               "gpu_clocks_method": _common.CLOCKS_METHOD, "results": results}
     _common.write_json(args.out / f"ab_gemm_{args.tag}_{args.index}.json", record)
 
 
-def time_call(call, dense, reps: int) -> dict:
-    """`{median_ms, times_ms}` of `call = (fn, args)`; with `dense = (fn, args)`, the two timed
-    in turn (`_common.time_round_robin`), and also the dense call's `dense_median_ms` and
-    `dense_times_ms`."""
-    if dense is None:
-        times = _common.time_calls(*call, reps)
-        return {"median_ms": float(np.median(times)), "times_ms": times}
-    timed = _common.time_round_robin(lambda f, a: f(*a), [call, dense], reps)
-    failed = [t["status"] for t in timed if t["status"] != "ok"]
-    if failed:
-        raise RuntimeError(failed[0])
-    grouped, reference = timed
-    return {"median_ms": grouped["median_ms"], "times_ms": grouped["times_ms"],
-            "dense_median_ms": reference["median_ms"], "dense_times_ms": reference["times_ms"]}
-
-
 def compare(paths: list[pathlib.Path]) -> str:
     """Per (projection, kind, grouping): each tag's mean median over its runs, in the order the
-    tags first appear, and the other tags in % of the first; then the sum over the calls. Where
-    every run timed the call in turn with its dense reference (`run --in-turn`), also each other
-    tag's mean ratio to that reference in % of the first's ("% in turn"; the sum weighs each
-    call's ratios by its reference's mean time over all runs)."""
+    tags first appear, and the other tags in % of the first; then the sum over the calls."""
     runs = [json.loads(p.read_text()) for p in sorted(paths)]
     runs.sort(key=lambda r: r["index"])
     tags = list(dict.fromkeys(r["tag"] for r in runs))
     medians: dict[tuple, dict[str, list[float]]] = {}
-    ratios: dict[tuple, dict[str, list[float]]] = {}
-    references: dict[tuple, list[float]] = {}
     for r in runs:
         for res in r["results"]:
             key = (res["proj"], res["kind"], res["grouping"])
             medians.setdefault(key, {}).setdefault(r["tag"], []).append(res["median_ms"])
-            if "dense_median_ms" in res:
-                ratios.setdefault(key, {}).setdefault(r["tag"], []).append(
-                    res["median_ms"] / res["dense_median_ms"])
-                references.setdefault(key, []).append(res["dense_median_ms"])
-    timed = {key: by_tag for key, by_tag in medians.items() if set(by_tag) == set(tags)}
-    in_turn = bool(timed) and all(
-        all(len(ratios.get(key, {}).get(t, [])) == len(by_tag[t]) for t in tags)
-        for key, by_tag in timed.items())
-    columns = [f" {t + ' ms':>10s}" for t in tags] + [f" {t + ' %':>9s}" for t in tags[1:]]
-    if in_turn:
-        columns += [f" {t + ' % in turn':>17s}" for t in tags[1:]]
-    lines = [f"{'projection':10s} {'kind':4s} {'grouping':22s}" + "".join(columns)]
-    totals = {t: 0.0 for t in tags}
-    at_reference = {t: 0.0 for t in tags}  # each call's mean ratio times its reference's time
-
-    def percents(values: dict) -> str:
-        return "".join(f" {100 * (values[t] / values[tags[0]] - 1):+8.1f}%" for t in tags[1:])
-
-    def percents_in_turn(values: dict) -> str:
-        return "".join(f" {100 * (values[t] / values[tags[0]] - 1):+16.1f}%" for t in tags[1:])
-
-    for key, by_tag in timed.items():
+    head = f"{'projection':10s} {'kind':4s} {'grouping':22s}" + "".join(
+        f" {t + ' ms':>10s}" for t in tags) + "".join(f" {t + ' %':>9s}" for t in tags[1:])
+    lines, totals = [head], {t: 0.0 for t in tags}
+    for key, by_tag in medians.items():
+        if set(by_tag) != set(tags):
+            continue  # a call some run did not time (failed or cut short)
         mean = {t: float(np.mean(by_tag[t])) for t in tags}
-        line = f"{key[0]:10s} {key[1]:4s} {key[2]:22s}" + "".join(
-            f" {mean[t]:10.3f}" for t in tags) + percents(mean)
         for t in tags:
             totals[t] += mean[t]
-        if in_turn:
-            ratio = {t: float(np.mean(ratios[key][t])) for t in tags}
-            line += percents_in_turn(ratio)
-            for t in tags:
-                at_reference[t] += ratio[t] * float(np.mean(references[key]))
-        lines.append(line)
-    lines.append(f"{'sum':38s}" + "".join(f" {totals[t]:10.3f}" for t in tags) + percents(totals)
-                 + (percents_in_turn(at_reference) if in_turn else ""))
+        lines.append(f"{key[0]:10s} {key[1]:4s} {key[2]:22s}" +
+                     "".join(f" {mean[t]:10.3f}" for t in tags) +
+                     "".join(f" {100 * (mean[t] / mean[tags[0]] - 1):+8.1f}%" for t in tags[1:]))
+    lines.append(f"{'sum':38s}" + "".join(f" {totals[t]:10.3f}" for t in tags) +
+                 "".join(f" {100 * (totals[t] / totals[tags[0]] - 1):+8.1f}%" for t in tags[1:]))
     return "\n".join(lines)
 
 
@@ -178,8 +124,6 @@ def main(argv=None) -> None:
     r.add_argument("--groupings", type=lambda s: s.split(","), required=True,
                    help="comma-separated bench_gemm labels, e.g. 'R2 maxvio 0.2,R8 maxvio 1'")
     r.add_argument("--reps", type=int, default=10)
-    r.add_argument("--in-turn", action="store_true",
-                   help="time each call in turn with its dense reference (see the docstring)")
     r.add_argument("--plans", type=pathlib.Path, default=None,
                    help="a bench_gemm record whose plans to use")
     r.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, XLA stand-ins")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -53,54 +52,6 @@ def test_run_times_the_chosen_calls_and_compare_lines_up_the_tags(tmp_path):
         assert float(fields[-1].rstrip("%")) == pytest.approx(
             100 * (base[proj, kind] / new[proj, kind] - 1), abs=0.06)
     assert table[-1].startswith("sum") and len(table) == 6
-
-
-def test_in_turn_runs_time_each_call_beside_its_dense_reference_and_compare_divides(tmp_path):
-    """`run --in-turn` records each call's dense reference, timed in turn with it, and `compare`
-    adds each other tag's mean ratio to that reference in % of the first tag's: a base run at a
-    third of the clock (calls and references all 3 times slower) that is also 0-100 % slower
-    per call moves the plain percentages by both and these by the second alone."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "ab_gemm.py"), "run", "--cpu-smoke",
-                           "--tag", "new", "--index", "0", "--kinds", "fwd,dw", "--groupings",
-                           "R2 maxvio 20", "--reps", "2", "--in-turn", "--out", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    new = json.loads((tmp_path / "ab_gemm_new_0.json").read_text())
-    assert new["in_turn"] and len(new["results"]) == 4
-    for r in new["results"]:
-        assert len(r["dense_times_ms"]) == 2 and r["dense_median_ms"] > 0
-
-    import ab_gemm
-
-    rng = random.Random(0)
-    base = dict(new, tag="base", index=1)
-    base["results"] = []
-    for r in new["results"]:
-        slower = 1 + rng.random()  # base's own ratio to the reference, per call
-        base["results"].append(dict(r, median_ms=3 * slower * r["median_ms"],
-                                    dense_median_ms=3 * r["dense_median_ms"]))
-    (tmp_path / "ab_gemm_base_1.json").write_text(json.dumps(base))
-    table = ab_gemm.compare(sorted(tmp_path.glob("ab_gemm_*.json"))).splitlines()
-    assert table[0].split()[-4:] == ["base", "%", "in", "turn"]
-    weighted = {"new": 0.0, "base": 0.0}
-    for line, n, b in zip(table[1:-1], new["results"], base["results"]):
-        fields = line.split()
-        assert float(fields[-2].rstrip("%")) == pytest.approx(
-            100 * (b["median_ms"] / n["median_ms"] - 1), abs=0.06)
-        assert float(fields[-1].rstrip("%")) == pytest.approx(
-            100 * (b["median_ms"] / b["dense_median_ms"] / (n["median_ms"] / n["dense_median_ms"])
-                   - 1), abs=0.06)
-        reference = (n["dense_median_ms"] + b["dense_median_ms"]) / 2
-        weighted["new"] += n["median_ms"] / n["dense_median_ms"] * reference
-        weighted["base"] += b["median_ms"] / b["dense_median_ms"] * reference
-    assert table[-1].startswith("sum") and float(table[-1].split()[-1].rstrip("%")) == \
-        pytest.approx(100 * (weighted["base"] / weighted["new"] - 1), abs=0.06)
-    # Without the references in every run, no in-turn column.
-    plain = dict(base, results=[{k: v for k, v in r.items() if not k.startswith("dense_")}
-                                for r in base["results"]])
-    (tmp_path / "ab_gemm_base_1.json").write_text(json.dumps(plain))
-    assert "turn" not in ab_gemm.compare(sorted(tmp_path.glob("ab_gemm_*.json")))
 
 
 def test_gpu_sh_ab_variants_times_new_and_each_variant_both_ways(tmp_path):
