@@ -219,14 +219,16 @@ def test_grouped_matmul_dw_covers_every_matrix_of_any_count(seed, num_local, num
     rng = np.random.default_rng(seed)
     num_rows, d0, d1, rank = 2000, 136, 264, 1
     num_experts = 2 * num_local
-    num_groups = num_experts + (num_slots or num_local)
+    # The plan's B slot groups: num_slots, or with no slot gradients (num_slots = 0) epn of them.
+    slot_groups = num_slots or num_local
+    num_groups = num_experts + slot_groups
     sizes = np.zeros(num_groups, np.int64)
     active = [*range(rank * num_local, (rank + 1) * num_local), *range(num_experts, num_groups)]
     sizes[active] = rng.integers(1, num_rows // len(active), len(active))
     cu_seqlens = np.cumsum(sizes).astype(np.int32)
     x = rng.standard_normal((num_rows, d0)).astype(jnp.bfloat16)
     dy = rng.standard_normal((num_rows, d1)).astype(jnp.bfloat16)
-    every = np.full((2, num_slots or num_local), -1, np.int32)
+    every = np.full((2, slot_groups), -1, np.int32)
     local, partial, slots = jax.jit(grouped_matmul_dw_of_groups, static_argnums=(5, 6, 7))(
         x, dy, cu_seqlens, np.array([rank], np.int32), every, num_local, 0, num_slots)
     assert partial.shape[0] == 0 and slots.shape[0] == num_slots
