@@ -236,14 +236,6 @@ class GroupedMatmul:
         # A warp group holds a K tile's slots while it waits for the next one's.
         assert self.num_stages >= 2 * (A_CHUNKS + 1), "the slot ring is too small"
         tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_staged, (A_CHUNK_M, TILE_K))
-        # A chunk whose rows of the group all lie in its first ATOM_M loads only those: slot s
-        # is stages 2s and 2s + 1 of this view, and its first half is the same shared memory,
-        # swizzled the same way, as the first ATOM_M rows of a whole chunk.
-        self.a_half_smem_staged = sm90_utils.make_smem_layout_a(
-            utils.LayoutEnum.from_tensor(a), (ATOM_M, TILE_N, TILE_K), self.ab_dtype,
-            2 * self.num_stages)
-        tma_a_half, tma_tensor_a_half = self._tma_load(a, self.a_half_smem_staged,
-                                                       (ATOM_M, TILE_K))
         tma_b_local, tma_tensor_b_local = self._tma_load(
             b_local, self.b_smem_staged, (TILE_N, TILE_K))
         tma_b_slots, tma_tensor_b_slots = self._tma_load(
@@ -251,9 +243,8 @@ class GroupedMatmul:
         self.shared_storage = self._shared_storage(item_ring=True, slots=self.a_smem_staged)
         num_items = rows_num_items(c, cute.size(tile_table, mode=[0]))
         self.rows_kernel(
-            self.tiled_mma, tma_a, tma_tensor_a, tma_a_half, tma_tensor_a_half, tma_b_local,
-            tma_tensor_b_local, tma_b_slots, tma_tensor_b_slots, c, tile_table, schedule,
-            self.a_smem_staged, self.a_half_smem_staged, self.b_smem_staged,
+            self.tiled_mma, tma_a, tma_tensor_a, tma_b_local, tma_tensor_b_local, tma_b_slots,
+            tma_tensor_b_slots, c, tile_table, schedule, self.a_smem_staged, self.b_smem_staged,
         ).launch(grid=(cutlass.min(num_ctas, num_items), 1, 1), block=(self.num_threads, 1, 1),
                  stream=stream)
 
@@ -280,15 +271,13 @@ class GroupedMatmul:
 
     @cute.kernel
     def rows_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
-                    tma_a_half: cute.CopyAtom, mA_half: cute.Tensor,
                     tma_b_local: cute.CopyAtom, mB_local: cute.Tensor,
                     tma_b_slots: cute.CopyAtom, mB_slots: cute.Tensor, mC: cute.Tensor,
                     tile_table: cute.Tensor, schedule: cute.Tensor, a_slots: cute.ComposedLayout,
-                    a_half_slots: cute.ComposedLayout, b_slots: cute.ComposedLayout):
+                    b_slots: cute.ComposedLayout):
         ab_pipeline, storage = self.make_pipeline()
         item_pipeline = self.make_item_pipeline(storage)
         sA = storage.slots.get_tensor(a_slots.outer, swizzle=a_slots.inner)
-        sA_half = storage.slots.get_tensor(a_half_slots.outer, swizzle=a_half_slots.inner)
         sB = storage.slots.get_tensor(b_slots.outer, swizzle=b_slots.inner)
         sItems = storage.items.get_tensor(cute.make_layout(ITEM_STAGES))
         # Only the table's used tiles are items: the unused entries past them cost no iteration.
@@ -298,7 +287,6 @@ class GroupedMatmul:
             cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
             if warp_idx == 0:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_a_half)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_b_local)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_b_slots)
                 producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
@@ -318,15 +306,11 @@ class GroupedMatmul:
                     kind, row_start, row_end, num_k_tiles, gA, gB_local, gB_slots, _ = (
                         self.rows_item(item, mA, mB_local, mB_slots, mC, tile_table))
                     a_chunks = tile_chunks(row_start, row_end)
-                    gA_half = cute.local_tile(cute.domain_offset((row_start, 0), mA_half),
-                                              (ATOM_M, TILE_K), (None, None))
-                    a = (tma_a, gA, sA, tma_a_half, gA_half, sA_half)
-                    last_rows = row_end - row_start - (a_chunks - 1) * A_CHUNK_M
                     if kind == KIND_SLOT:
-                        producer = self.load_rows(ab_pipeline, producer, a, a_chunks, last_rows,
+                        producer = self.load_rows(ab_pipeline, producer, tma_a, gA, sA, a_chunks,
                                                   tma_b_slots, gB_slots, sB, num_k_tiles)
                     else:
-                        producer = self.load_rows(ab_pipeline, producer, a, a_chunks, last_rows,
+                        producer = self.load_rows(ab_pipeline, producer, tma_a, gA, sA, a_chunks,
                                                   tma_b_local, gB_local, sB, num_k_tiles)
                     item = next_item
                 # The item past the last tells the consumers to stop.
@@ -657,53 +641,28 @@ class GroupedMatmul:
         return producer
 
     @cute.jit
-    def load_rows(self, ab_pipeline, producer, a, a_chunks: cutlass.Int32,
-                  last_rows: cutlass.Int32, tma_b: cute.CopyAtom, gB: cute.Tensor,
-                  sB: cute.Tensor, num_k_tiles: cutlass.Int32):
+    def load_rows(self, ab_pipeline, producer, tma_a: cute.CopyAtom, gA: cute.Tensor,
+                  sA: cute.Tensor, a_chunks: cutlass.Int32, tma_b: cute.CopyAtom,
+                  gB: cute.Tensor, sB: cute.Tensor, num_k_tiles: cutlass.Int32):
         """Producer warp, ragged M: each K tile of one work item takes `a_chunks` slots of the
         ring for the A chunks that hold the group's rows (a warp group multiplies only 64-row
         blocks that start below the group's end, and such a block lies in a loaded chunk), then
-        one for the B tile. `a` is (tma_a, gA, sA) of whole chunks and the same of half chunks
-        (ATOM_M rows); the last chunk loads only its first half when the group's `last_rows`
-        rows in it fit there, as only the warp group owning that half multiplies it: a tile of
-        up to 64 rows then moves 24 instead of 32 KB per K tile from L2, which bounds it (a
-        B tile per K step for one 64-row WGMMA block)."""
-        tma_a, gA, sA, tma_a_half, gA_half, sA_half = a
+        one for the B tile."""
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-        tAsA_half, tAgA_half = cute.nvgpu.cpasync.tma_partition(
-            tma_a_half, 0, cute.make_layout(1), cute.group_modes(sA_half, 0, 2),
-            cute.group_modes(gA_half, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
-        whole_chunks = a_chunks
-        if a_chunks > 0:
-            if last_rows <= ATOM_M:
-                whole_chunks = a_chunks - 1
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
-            for chunk in cutlass.range(whole_chunks, unroll=1):
-                self.acquire_slot(ab_pipeline, producer, self.stage_bytes)
+            for chunk in cutlass.range(a_chunks, unroll=1):
+                ab_pipeline.producer_acquire(producer)
                 cute.copy(tma_a, tAgA[(None, chunk, k_tile)], tAsA[(None, producer.index)],
                           tma_bar_ptr=ab_pipeline.producer_get_barrier(producer))
                 producer.advance()
-            if whole_chunks < a_chunks:
-                self.acquire_slot(ab_pipeline, producer, self.stage_bytes // 2)
-                cute.copy(tma_a_half, tAgA_half[(None, 2 * whole_chunks, k_tile)],
-                          tAsA_half[(None, 2 * producer.index)],
-                          tma_bar_ptr=ab_pipeline.producer_get_barrier(producer))
-                producer.advance()
-            self.acquire_slot(ab_pipeline, producer, self.stage_bytes)
+            ab_pipeline.producer_acquire(producer)
             cute.copy(tma_b, tBgB[(None, k_tile)], tBsB[(None, producer.index)],
                       tma_bar_ptr=ab_pipeline.producer_get_barrier(producer))
             producer.advance()
         return producer
-
-    @cute.jit
-    def acquire_slot(self, ab_pipeline, producer, tx_bytes):
-        """Producer warp: wait until the ring's next slot is free, then arrive on its full
-        barrier expecting `tx_bytes` of TMA loads (a half chunk fills half a slot)."""
-        ab_pipeline.sync_object_empty.wait(producer.index, producer.phase)
-        ab_pipeline.sync_object_full.arrive_and_expect_tx(producer.index, tx_bytes)
 
     @cute.jit
     def consumer_setup(self, tiled_mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor,
