@@ -338,17 +338,13 @@ class GroupedMatmul:
                     num_k_tiles, tile_chunks(row_start, row_end), row_end - row_start,
                     first_row)
                 # Store rows [row_start, row_end) of this tile, chunk by chunk; columns < N
-                # (and < D0 for dX). A chunk in which this warp group has no row (the blocks it
-                # did not multiply) costs no epilogue: rounding and transposing all three took
-                # a one-chunk tile's epilogue three times as long as its stores need.
+                # (and < D0 for dX).
                 for c in cutlass.range_constexpr(A_CHUNKS):
-                    chunk_rows = row_end - row_start - c * A_CHUNK_M
-                    if chunk_rows > first_row:
-                        gC = cute.local_tile(
-                            cute.domain_offset((row_start + c * A_CHUNK_M, 0), mC),
-                            (A_CHUNK_M, TILE_N), (0, n_tile))
-                        self.store_segments(tiled_mma, thread, accumulators[c], gC, chunk_rows,
-                                            cute.size(mC, mode=[1]) - n_tile * TILE_N)
+                    gC = cute.local_tile(cute.domain_offset((row_start + c * A_CHUNK_M, 0), mC),
+                                         (A_CHUNK_M, TILE_N), (0, n_tile))
+                    self.store_segments(tiled_mma, thread, accumulators[c], gC,
+                                        row_end - row_start - c * A_CHUNK_M,
+                                        cute.size(mC, mode=[1]) - n_tile * TILE_N)
                 item, item_consumer = self.receive_item(item_pipeline, item_consumer, sItems)
 
     # ---- ragged K: dW -------------------------------------------------------------------------
@@ -734,6 +730,8 @@ class GroupedMatmul:
         never stored, so a group's last tile costs MMAs for its rows rounded up to 64. Both
         warp groups wait for and release every slot of the item (the `a_chunks` A chunks and
         the B tile of each K tile)."""
+        for acc in accumulators:
+            acc.fill(0.0)
         blocks = cutlass.Int32(0)
         rows_left = valid_rows - first_row
         if rows_left > 0:
@@ -764,9 +762,6 @@ class GroupedMatmul:
         the previous K tile's slots once its WGMMAs are done."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         slots = a_chunks + 1
-        # Only these blocks are stored (the others hold no row of this warp group).
-        for c in cutlass.range_constexpr(m_blocks):
-            accumulators[c].fill(0.0)
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
             first_slot = read.index
             for _ in cutlass.range(slots, unroll=1):
