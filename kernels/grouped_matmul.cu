@@ -280,13 +280,17 @@ __global__ void __launch_bounds__(kOvThreads) grouped_matmul_overflow_kernel(Ove
 
 // Loaded on every device when a transport context is created (lazy loading while a peer spins in
 // a barrier can deadlock).
-// ---- dW: which local experts receive a replica gradient ----------------------------------------
-// flags[j] = 1 when some (rank, slot) of experts_to_copy names local expert j (the same rule as
-// reduce_grad's contribution table); entries naming other ranks' experts or bad ids are ignored
-// here (reduce_grad reports bad ids).
+// ---- dW: its work-item counter, and which local experts receive a replica gradient ------------
+// *next_item = 0 (the dW CTAs take their items from it); with `flags`, flags[j] = 1 when some
+// (rank, slot) of experts_to_copy names local expert j (the same rule as reduce_grad's
+// contribution table); entries naming other ranks' experts or bad ids are ignored here
+// (reduce_grad reports bad ids).
 __global__ void __launch_bounds__(kTableThreads)
-    grouped_matmul_replica_flags_kernel(const int32_t* experts_to_copy, int32_t num_copies,
-                                        const int32_t* ep_rank, int32_t num_local, int32_t* flags) {
+    grouped_matmul_dw_setup_kernel(const int32_t* experts_to_copy, int32_t num_copies,
+                                   const int32_t* ep_rank, int32_t num_local, int32_t* flags,
+                                   int32_t* next_item) {
+  if (threadIdx.x == 0) *next_item = 0;
+  if (flags == nullptr) return;
   for (int32_t j = threadIdx.x; j < num_local; j += kTableThreads) flags[j] = 0;
   __syncthreads();
   const int32_t first_local = ep_rank[0] * num_local;
@@ -298,7 +302,7 @@ __global__ void __launch_bounds__(kTableThreads)
 
 [[maybe_unused]] const int kPreloaded[] = {
     register_kernel_for_preload(as_symbol(&grouped_matmul_tile_table_kernel)),
-    register_kernel_for_preload(as_symbol(&grouped_matmul_replica_flags_kernel)),
+    register_kernel_for_preload(as_symbol(&grouped_matmul_dw_setup_kernel)),
     register_kernel_for_preload(as_symbol(&grouped_matmul_overflow_kernel<false>)),
     register_kernel_for_preload(as_symbol(&grouped_matmul_overflow_kernel<true>)),
 };
@@ -457,11 +461,10 @@ cudaError_t launch_grouped_matmul_dw(const GroupedMatmulDwParams& p, cudaStream_
     return cudaErrorInvalidValue;
   if (cudaError_t e = load_grouped_matmul(); e != cudaSuccess) return e;
   if (cudaError_t e = cutedsl::use_device(p.device); e != cudaSuccess) return e;
-  if (p.num_partials > 0) {
-    grouped_matmul_replica_flags_kernel<<<1, kTableThreads, 0, stream>>>(
-        p.experts_to_copy, p.num_copies, p.ep_rank, p.num_local, p.replica_flags);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  }
+  grouped_matmul_dw_setup_kernel<<<1, kTableThreads, 0, stream>>>(
+      p.experts_to_copy, p.num_copies, p.ep_rank, p.num_local,
+      p.num_partials > 0 ? p.replica_flags : nullptr, p.next_item);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   // A = x^T (D0, NvS) and B = dy^T (D1, NvS): transposed views of the row-major activations.
   auto a = matrix<moonep_grouped_matmul_dw_Tensor_a_t>(p.x, p.num_rows, p.d0, true);
   auto b = matrix<moonep_grouped_matmul_dw_Tensor_b_t>(p.dy, p.num_rows, p.d1, true);
@@ -476,11 +479,12 @@ cudaError_t launch_grouped_matmul_dw(const GroupedMatmulDwParams& p, cudaStream_
   moonep_grouped_matmul_dw_Tensor_cu_seqlens_t cu = {const_cast<int32_t*>(p.cu_seqlens),
                                                      {p.num_groups}};
   moonep_grouped_matmul_dw_Tensor_ep_rank_t rank = {const_cast<int32_t*>(p.ep_rank)};
+  moonep_grouped_matmul_dw_Tensor_next_item_t next_item = {p.next_item};
   int32_t ctas = 0;
   if (cudaError_t e = persistent_ctas(p.device, &ctas); e != cudaSuccess) return e;
   const int32_t status = cute_dsl_moonep_grouped_matmul_dw_wrapper(
       dw_module().get(), &a, &b, &dw_local, &dw_partial, &dw_slots, &flags, &cu, &rank,
-      p.zero_unused_slots ? 1 : 0, ctas, stream);
+      &next_item, p.zero_unused_slots ? 1 : 0, ctas, stream);
   if (status != 0) return static_cast<cudaError_t>(status);
   return cudaGetLastError();
 }

@@ -31,13 +31,13 @@ else in the step touches it. An empty group runs no K tile and writes zeros, exc
 group when `zero_unused_slots` is 0: it writes nothing (moe_ffn never reads an unused slot's
 gradient, and zeroing B = epn fp32 slot matrices costs more than the slots that hold rows).
 
-The CTA program is persistent and warp-specialised: one CTA per SM walks the work items (tiles;
-dW with a grid stride, ragged M taking each next item from a counter in the tile table's schedule
-row); warp 0 of warp group 0 (registers given back) issues the TMA loads of every item into a
-multi-stage mbarrier ring and runs ahead into the next item, while warp groups 1 and 2 (alternate
-64-row blocks of the tile each, 64 x TILE_N WGMMAs) consume the stages and store the accumulators
-straight from registers with row/column predicates, so one item's epilogue overlaps the next
-item's loads. In a ragged-M tile a warp group issues WGMMAs only for its blocks that hold rows of
+The CTA program is persistent and warp-specialised: one CTA per SM walks the work items, taking
+each next one from a counter (ragged M: in the tile table's schedule row; dW: `next_item`) and
+handing it to its consumer warps through a shared-memory ring; warp 0 of warp group 0
+(registers given back) issues the TMA loads of every item into a multi-stage mbarrier ring and
+runs ahead into the next item, while warp groups 1 and 2 (alternate 64-row blocks of the tile
+each, 64 x TILE_N WGMMAs) consume the stages and store the accumulators straight from registers
+with row/column predicates, so one item's epilogue overlaps the next item's loads. In a ragged-M tile a warp group issues WGMMAs only for its blocks that hold rows of
 the group (a separate K loop per block count; an idle warp group only releases the stages), so a
 group's last tile costs MMAs for its rows rounded up to 64.
 
@@ -76,8 +76,13 @@ At R = 2 the kernel is bound by no one of these streams: left without its WGMMAs
 by is each warp group's work per item, which only the other warp group's last DW_LAG_K_TILES K
 tiles of MMAs cover (ncu stall samples at R = 2: ~3,600 cycles per item of index arithmetic,
 K-tail zeroing, epilogue and accumulator zeroing, against ~2,800 of its own MMAs); so that work
-is kept short: the items' coordinates advance by additions (`next_coords`), the K tail is zeroed
-by a fixed set of predicated stores (`zero_columns`).
+is kept short: the producer warp decodes the items (coordinates, the group's rows, where the sum
+goes) and hands them over decoded, the K tail is zeroed by a fixed set of predicated stores
+(`zero_columns`). Dealt with a grid stride instead of taken from the counter, dW's items left
+the most loaded CTA 2-4.5 % above the mean for down at maxvio >= 10 (a model of the items), and
+the consumers decoded each item themselves (ab_gemm, dW, one call, new/base/base/new, R = 2
+maxvio 0.2 / 1 / 10 / 20, R = 8 maxvio 1 / 20, R1 E192 maxvio 20: summed 1.5 % faster; at
+maxvio 20 4-11 % faster at every point, gate_up at R = 2 maxvio 0.2 / 1 1-6 % slower).
 """
 
 import cuda.bindings.driver as cuda
@@ -107,8 +112,10 @@ KIND_LOCAL, KIND_SLOT, KIND_ZERO = 0, 1, 2
 TABLE_COLUMNS = 4
 # Columns of the schedule row (after the table): the table's used entries, the next work item.
 SCHEDULE_TILES, SCHEDULE_NEXT_ITEM = 0, 1
-# Work items the producer warp of a ragged-M CTA hands its consumers ahead (shared-memory ring).
+# Work items the producer warp hands its consumers ahead (shared-memory ring), and the int32
+# words of one: ragged M hands the item, dW its decoded (matrix, M tile, N tile, rows, to_partial).
 ITEM_STAGES = 4
+ROWS_ITEM_WORDS, DW_ITEM_WORDS = 1, 5
 # Each stride and dimension that TMA sees must be a multiple of 16 bytes = 8 bf16.
 ALIGN_ELEMS = 8
 # Warp specialisation: warp group 0 loads (one warp issues TMA), warp groups 1 and 2 compute.
@@ -159,7 +166,7 @@ def weight_grad_num_items(dw_local: cute.Tensor, dw_slots: cute.Tensor):
 
 def persistent_cta():
     """(first work item, item stride, warp-uniform warp index, thread index) of this CTA: CTA
-    `b` of a grid of `g` starts with item b (dW then takes b + g, b + 2g, ...)."""
+    `b` of a grid of `g` starts with item b, then takes `g` plus the counter's next value."""
     first_item, _, _ = cute.arch.block_idx()
     item_stride, _, _ = cute.arch.grid_dim()
     tidx, _, _ = cute.arch.thread_idx()
@@ -200,18 +207,17 @@ class GroupedMatmul:
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), tensor,
             cute.slice_(smem_staged, (None, None, 0)), tile_shape)
 
-    def _shared_storage(self, item_ring: bool = False, **buffers):
-        """Shared memory: the pipeline's barriers, with `item_ring` the work-item ring and its
-        barriers, then one buffer per keyword, each as large as the cosize of the layout it is
-        given."""
+    def _shared_storage(self, item_words: int, **buffers):
+        """Shared memory: the pipeline's barriers, the work-item ring of `item_words` int32 per
+        item and its barriers, then one buffer per keyword, each as large as the cosize of the
+        layout it is given."""
         def buffer(layout):
             return cute.struct.Align[
                 cute.struct.MemRange[self.ab_dtype, cute.cosize(layout)], self.buffer_align_bytes]
 
-        fields = {"pipeline_barriers": cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]}
-        if item_ring:
-            fields["item_barriers"] = cute.struct.MemRange[cutlass.Int64, ITEM_STAGES * 2]
-            fields["items"] = cute.struct.MemRange[cutlass.Int32, ITEM_STAGES]
+        fields = {"pipeline_barriers": cute.struct.MemRange[cutlass.Int64, self.num_stages * 2],
+                  "item_barriers": cute.struct.MemRange[cutlass.Int64, ITEM_STAGES * 2],
+                  "items": cute.struct.MemRange[cutlass.Int32, ITEM_STAGES * item_words]}
         fields.update({name: buffer(layout) for name, layout in buffers.items()})
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -240,7 +246,7 @@ class GroupedMatmul:
             b_local, self.b_smem_staged, (TILE_N, TILE_K))
         tma_b_slots, tma_tensor_b_slots = self._tma_load(
             b_slots, self.b_smem_staged, (TILE_N, TILE_K))
-        self.shared_storage = self._shared_storage(item_ring=True, slots=self.a_smem_staged)
+        self.shared_storage = self._shared_storage(ROWS_ITEM_WORDS, slots=self.a_smem_staged)
         num_items = rows_num_items(c, cute.size(tile_table, mode=[0]))
         self.rows_kernel(
             self.tiled_mma, tma_a, tma_tensor_a, tma_b_local, tma_tensor_b_local, tma_b_slots,
@@ -279,7 +285,7 @@ class GroupedMatmul:
         item_pipeline = self.make_item_pipeline(storage)
         sA = storage.slots.get_tensor(a_slots.outer, swizzle=a_slots.inner)
         sB = storage.slots.get_tensor(b_slots.outer, swizzle=b_slots.inner)
-        sItems = storage.items.get_tensor(cute.make_layout(ITEM_STAGES))
+        sItems = storage.items.get_tensor(cute.make_layout((ROWS_ITEM_WORDS, ITEM_STAGES)))
         # Only the table's used tiles are items: the unused entries past them cost no iteration.
         num_items = rows_num_items(mC, schedule[SCHEDULE_TILES])
         first_item, item_stride, warp_idx, tidx = persistent_cta()
@@ -301,8 +307,9 @@ class GroupedMatmul:
                 # tile's N tiles run side by side and share its A rows in L2.
                 item = first_item
                 while item < num_items:
-                    next_item = self.take_item(schedule, item_stride)
-                    item_producer = self.hand_item(item_pipeline, item_producer, sItems, item)
+                    next_item = self.taken_item(
+                        self.take_item(schedule.iterator + SCHEDULE_NEXT_ITEM), item_stride)
+                    item_producer = self.hand_item(item_pipeline, item_producer, sItems, (item,))
                     kind, row_start, row_end, num_k_tiles, gA, gB_local, gB_slots, _ = (
                         self.rows_item(item, mA, mB_local, mB_slots, mC, tile_table))
                     a_chunks = tile_chunks(row_start, row_end)
@@ -314,7 +321,7 @@ class GroupedMatmul:
                                                   tma_b_local, gB_local, sB, num_k_tiles)
                     item = next_item
                 # The item past the last tells the consumers to stop.
-                item_producer = self.hand_item(item_pipeline, item_producer, sItems, item)
+                item_producer = self.hand_item(item_pipeline, item_producer, sItems, (item,))
                 ab_pipeline.producer_tail(producer)
                 item_pipeline.producer_tail(item_producer)
         else:
@@ -329,7 +336,8 @@ class GroupedMatmul:
                 tiled_mma, sA, sB, thread, (A_CHUNK_M, TILE_N), A_CHUNKS)
             item_consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                          ITEM_STAGES)
-            item, item_consumer = self.receive_item(item_pipeline, item_consumer, sItems)
+            words, item_consumer = self.receive_item(item_pipeline, item_consumer, sItems)
+            item = words[0]
             while item < num_items:
                 kind, row_start, row_end, num_k_tiles, _, _, _, n_tile = self.rows_item(
                     item, mA, mB_local, mB_slots, mC, tile_table)
@@ -345,14 +353,15 @@ class GroupedMatmul:
                     self.store_segments(tiled_mma, thread, accumulators[c], gC,
                                         row_end - row_start - c * A_CHUNK_M,
                                         cute.size(mC, mode=[1]) - n_tile * TILE_N)
-                item, item_consumer = self.receive_item(item_pipeline, item_consumer, sItems)
+                words, item_consumer = self.receive_item(item_pipeline, item_consumer, sItems)
+                item = words[0]
 
     # ---- ragged K: dW -------------------------------------------------------------------------
 
     @cute.jit
     def weight_grad(self, a: cute.Tensor, b: cute.Tensor, dw_local: cute.Tensor,
                     dw_partial: cute.Tensor, dw_slots: cute.Tensor, replica_flags: cute.Tensor,
-                    cu_seqlens: cute.Tensor, ep_rank: cute.Tensor,
+                    cu_seqlens: cute.Tensor, ep_rank: cute.Tensor, next_item: cute.Tensor,
                     zero_unused_slots: cutlass.Int32, num_ctas: cutlass.Int32,
                     stream: cuda.CUstream):
         """`dw_*[j] = a[:, rows of group] . b[:, rows of group]^T` for every local expert and slot.
@@ -362,8 +371,9 @@ class GroupedMatmul:
         B' = B or 0; `replica_flags [epn]` int32 (local expert j's sum goes to `dw_partial[j]`
         when set and P > 0); `cu_seqlens [G]`; `ep_rank [1]` int32 (this rank, read on the
         device: local expert j is group `ep_rank * epn + j`); `zero_unused_slots` 0 leaves the
-        matrices of slots without rows unwritten; `num_ctas` persistent CTAs share the
-        (matrix, M tile, N tile) work items.
+        matrices of slots without rows unwritten; `next_item [1]` int32 the CTAs' work-item
+        counter, 0 at the launch; `num_ctas` persistent CTAs share the (matrix, M tile, N tile)
+        work items.
         """
         self._setup(a, b, (DW_TILE_M, TILE_N, DW_TILE_K),
                     stage_bytes=(DW_TILE_M + TILE_N) * DW_TILE_K * a.element_type.width // 8,
@@ -377,6 +387,9 @@ class GroupedMatmul:
         # Each warp group stages and stores its own ATOM_M-row blocks of the tile (stages g,
         # g + 2, ... are warp group g's), so neither waits for the other's epilogue.
         assert DW_LAG_K_TILES < self.num_stages, "warp group 0 would wait for warp group 1"
+        # Each item counts as at least one K tile of the lag (consume), and warp group 1 reads
+        # the item ring once it has started: the items before it must fit the ring.
+        assert DW_LAG_K_TILES <= ITEM_STAGES, "warp group 0 would wait for warp group 1"
         assert DW_EPILOGUE_STAGES % CONSUMER_GROUPS == 0
         assert (DW_TILE_M // ATOM_M) % DW_EPILOGUE_STAGES == 0
         self.c_smem_staged = sm90_utils.make_smem_layout_epi(
@@ -389,44 +402,23 @@ class GroupedMatmul:
             self.ab_dtype, self.ab_dtype, utils.LayoutEnum.from_tensor(a).sm90_mma_major_mode(),
             utils.LayoutEnum.from_tensor(b).sm90_mma_major_mode(), self.acc_dtype, (1, 1, 1),
             tiler_mn=(ATOM_M, TILE_N))
-        self.shared_storage = self._shared_storage(sA=self.a_smem_staged, sB=self.b_smem_staged,
-                                                   sC=self.c_smem_staged)
+        self.shared_storage = self._shared_storage(DW_ITEM_WORDS, sA=self.a_smem_staged,
+                                                   sB=self.b_smem_staged, sC=self.c_smem_staged)
         num_items = weight_grad_num_items(dw_local, dw_slots)
         self.weight_grad_kernel(
             self.tiled_mma, block_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c,
-            dw_local, dw_partial, dw_slots, replica_flags, cu_seqlens, ep_rank,
+            dw_local, dw_partial, dw_slots, replica_flags, cu_seqlens, ep_rank, next_item,
             zero_unused_slots, self.a_smem_staged, self.b_smem_staged, self.c_smem_staged,
         ).launch(grid=(cutlass.min(num_ctas, num_items), 1, 1), block=(self.num_threads, 1, 1),
                  stream=stream)
 
     @cute.jit
     def weight_grad_coords(self, item: cutlass.Int32, dw_local: cute.Tensor):
-        """Work item -> (mat, m_tile, n_tile), N tiles fastest. Divides: a CTA calls it for its
-        first item and its stride, and `next_coords` walks on from there."""
+        """Work item -> (mat, m_tile, n_tile), N tiles fastest (the producer warp's divisions:
+        in the consumer warps, ~10 % of their time at R = 2, ncu stall samples)."""
         num_m_tiles, num_n_tiles = weight_grad_tiles(dw_local)
         return (item // (num_n_tiles * num_m_tiles), (item // num_n_tiles) % num_m_tiles,
                 item % num_n_tiles)
-
-    @cute.jit
-    def next_coords(self, mat: cutlass.Int32, m_tile: cutlass.Int32, n_tile: cutlass.Int32,
-                    step, dw_local: cute.Tensor):
-        """The coordinates of the work item `step` (`weight_grad_coords` of the item stride)
-        after (mat, m_tile, n_tile), by additions and carries: the three divisions per item
-        that decomposing the item took cost ~10 % of the consumer warps' time in dW at R = 2
-        (ncu stall samples), in the epilogue's shadow no other warp group fills."""
-        num_m_tiles, num_n_tiles = weight_grad_tiles(dw_local)
-        step_mat, step_m, step_n = step
-        n_tile = n_tile + step_n
-        carry = cutlass.Int32(0)
-        if n_tile >= num_n_tiles:
-            n_tile = n_tile - num_n_tiles
-            carry = cutlass.Int32(1)
-        m_tile = m_tile + step_m + carry
-        carry = cutlass.Int32(0)
-        if m_tile >= num_m_tiles:
-            m_tile = m_tile - num_m_tiles
-            carry = cutlass.Int32(1)
-        return mat + step_mat + carry, m_tile, n_tile
 
     @cute.jit
     def weight_grad_item(self, mat: cutlass.Int32, dw_local: cute.Tensor,
@@ -435,10 +427,8 @@ class GroupedMatmul:
                          first_local_group: cutlass.Int32, zero_unused_slots: cutlass.Int32):
         """Output matrix -> (has_work, row_start, rows, to_partial): whether its item has
         anything to do, its group's rows, and whether a local expert's fp32 sum goes to
-        `dw_partial`. A matrix past the last (that of the item after a CTA's last) reads the
-        last matrix's data, in bounds: the loops read an item's data one item ahead, so that
-        its loads land while the previous item multiplies (read on the way into an item, they
-        left the tensor pipes idle between items)."""
+        `dw_partial`. A matrix past the last (that of the item after a CTA's last, which the
+        producer decodes an item ahead) reads the last matrix's data, in bounds."""
         num_local = cute.size(dw_local, mode=[2])
         num_slots = cute.size(dw_slots, mode=[2])
         mat = cutlass.min(mat, num_local + num_slots - 1)
@@ -468,21 +458,21 @@ class GroupedMatmul:
                            tma_b: cute.CopyAtom, mB: cute.Tensor, tma_c: cute.CopyAtom,
                            mC: cute.Tensor, dw_local: cute.Tensor, dw_partial: cute.Tensor,
                            dw_slots: cute.Tensor, replica_flags: cute.Tensor,
-                           cu_seqlens: cute.Tensor, ep_rank: cute.Tensor,
+                           cu_seqlens: cute.Tensor, ep_rank: cute.Tensor, next_item: cute.Tensor,
                            zero_unused_slots: cutlass.Int32,
                            a_smem_staged: cute.ComposedLayout,
                            b_smem_staged: cute.ComposedLayout,
                            c_smem_staged: cute.ComposedLayout):
         ab_pipeline, storage = self.make_pipeline()
+        item_pipeline = self.make_item_pipeline(storage)
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sC = storage.sC.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
+        sItems = storage.items.get_tensor(cute.make_layout((DW_ITEM_WORDS, ITEM_STAGES)))
         num_items = weight_grad_num_items(dw_local, dw_slots)
+        num_local = cute.size(dw_local, mode=[2])
+        num_mats = num_local + cute.size(dw_slots, mode=[2])
         first_item, item_stride, warp_idx, tidx = persistent_cta()
-        step = self.weight_grad_coords(item_stride, dw_local)
-        # Everything weight_grad_item reads besides the output matrix.
-        item_args = (dw_local, dw_partial, dw_slots, replica_flags, cu_seqlens,
-                     ep_rank[0] * cute.size(dw_local, mode=[2]), zero_unused_slots)
         if warp_idx < WARPS_PER_GROUP:
             cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
             if warp_idx == 0:
@@ -490,22 +480,44 @@ class GroupedMatmul:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
                 producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                         self.num_stages)
-                mat, m_tile, n_tile = self.weight_grad_coords(first_item, dw_local)
-                has_work, row_start, num_rows, _ = self.weight_grad_item(mat, *item_args)
-                for _item in cutlass.range(first_item, num_items, item_stride, unroll=1):
-                    next_mat, next_m_tile, next_n_tile = self.next_coords(mat, m_tile, n_tile,
-                                                                          step, dw_local)
-                    next_item = self.weight_grad_item(next_mat, *item_args)
+                item_producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                             ITEM_STAGES)
+                first_local_group = ep_rank[0] * num_local
+                # Items are taken, not dealt (module docstring). The producer decodes each item
+                # and hands the consumers what they need, so that their per-item work, which only
+                # the other warp group's MMAs cover, holds no index arithmetic and no loads; items
+                # without work are not handed at all. It runs an item ahead: it takes and decodes
+                # item i + 1 (the atomic taken while item i - 1 loaded, the decode's loads in
+                # flight) before it loads item i.
+                item_args = (dw_local, dw_partial, dw_slots, replica_flags, cu_seqlens,
+                             first_local_group, zero_unused_slots)
+                item = first_item
+                mat, m_tile, n_tile = self.weight_grad_coords(item, dw_local)
+                decoded = self.weight_grad_item(mat, *item_args)
+                taken = self.take_item(next_item.iterator)
+                while item < num_items:
+                    following = self.taken_item(taken, item_stride)
+                    taken = self.take_item(next_item.iterator)
+                    next_mat, next_m_tile, next_n_tile = self.weight_grad_coords(following,
+                                                                                 dw_local)
+                    next_decoded = self.weight_grad_item(next_mat, *item_args)
+                    has_work, row_start, num_rows, to_partial = decoded
                     if has_work != 0:
+                        item_producer = self.hand_item(item_pipeline, item_producer, sItems,
+                                                       (mat, m_tile, n_tile, num_rows, to_partial))
                         gA = cute.local_tile(cute.domain_offset((0, row_start), mA),
                                              (DW_TILE_M, DW_TILE_K), (m_tile, None))
                         gB = cute.local_tile(cute.domain_offset((0, row_start), mB),
                                              (TILE_N, DW_TILE_K), (n_tile, None))
                         producer = self.load(ab_pipeline, producer, tma_a, gA, sA, tma_b, gB, sB,
                                              cute.ceil_div(num_rows, DW_TILE_K))
-                    mat, m_tile, n_tile = next_mat, next_m_tile, next_n_tile
-                    has_work, row_start, num_rows, _ = next_item
+                    item, mat, m_tile, n_tile = following, next_mat, next_m_tile, next_n_tile
+                    decoded = next_decoded
+                # A matrix past the last tells the consumers to stop.
+                item_producer = self.hand_item(item_pipeline, item_producer, sItems,
+                                               (num_mats, 0, 0, 0, 0))
                 ab_pipeline.producer_tail(producer)
+                item_pipeline.producer_tail(item_producer)
         else:
             cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
             thread = tidx - THREADS_PER_GROUP
@@ -514,7 +526,6 @@ class GroupedMatmul:
                 tiled_mma, sA, sB, thread, (DW_TILE_M, TILE_N), 1)
             d0 = cute.size(dw_local, mode=[0])
             d1 = cute.size(dw_local, mode=[1])
-            num_local = cute.size(dw_local, mode=[2])
             # The first warp of each warp group issues its TMA stores; bulk-store groups belong
             # to the threads that commit them, so the same warp waits for them.
             storer = warp_idx % WARPS_PER_GROUP == 0
@@ -527,34 +538,32 @@ class GroupedMatmul:
                 lag_left = cutlass.Int32(DW_LAG_K_TILES)
             else:
                 cute.arch.barrier(barrier_id=LAG_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
-            mat, m_tile, n_tile = self.weight_grad_coords(first_item, dw_local)
-            has_work, _, num_rows, to_partial = self.weight_grad_item(mat, *item_args)
-            for _item in cutlass.range(first_item, num_items, item_stride, unroll=1):
-                next_mat, next_m_tile, next_n_tile = self.next_coords(mat, m_tile, n_tile, step,
-                                                                      dw_local)
-                next_item = self.weight_grad_item(next_mat, *item_args)
-                if has_work != 0:
-                    read, release, lag_left = self.consume(
-                        ab_pipeline, read, release, tiled_mma, tCrA, tCrB, accumulators, sA, sB,
-                        cute.ceil_div(num_rows, DW_TILE_K), num_rows, group, lag_left)
-                    cC = cute.local_tile(cute.make_identity_tensor((d0, d1)), (DW_TILE_M, TILE_N),
-                                         (m_tile, n_tile))
-                    if mat < num_local:
-                        if to_partial != 0:
-                            gC = cute.local_tile(dw_partial[None, None, mat], (DW_TILE_M, TILE_N),
-                                                 (m_tile, n_tile))
-                            self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
-                        else:
-                            gC = cute.local_tile(mC[None, None, mat], (DW_TILE_M, TILE_N),
-                                                 (m_tile, n_tile))
-                            self.store_through_shared(block_mma, thread, accumulators, tma_c,
-                                                      c_stores, storer, sC, group, gC)
-                    else:
-                        gC = cute.local_tile(dw_slots[None, None, mat - num_local],
-                                             (DW_TILE_M, TILE_N), (m_tile, n_tile))
+            item_consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                         ITEM_STAGES)
+            words, item_consumer = self.receive_item(item_pipeline, item_consumer, sItems)
+            mat, m_tile, n_tile, num_rows, to_partial = words
+            while mat < num_mats:
+                read, release, lag_left = self.consume(
+                    ab_pipeline, read, release, tiled_mma, tCrA, tCrB, accumulators, sA, sB,
+                    cute.ceil_div(num_rows, DW_TILE_K), num_rows, group, lag_left)
+                cC = cute.local_tile(cute.make_identity_tensor((d0, d1)), (DW_TILE_M, TILE_N),
+                                     (m_tile, n_tile))
+                if mat < num_local:
+                    if to_partial != 0:
+                        gC = cute.local_tile(dw_partial[None, None, mat], (DW_TILE_M, TILE_N),
+                                             (m_tile, n_tile))
                         self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
-                mat, m_tile, n_tile = next_mat, next_m_tile, next_n_tile
-                has_work, _, num_rows, to_partial = next_item
+                    else:
+                        gC = cute.local_tile(mC[None, None, mat], (DW_TILE_M, TILE_N),
+                                             (m_tile, n_tile))
+                        self.store_through_shared(block_mma, thread, accumulators, tma_c,
+                                                  c_stores, storer, sC, group, gC)
+                else:
+                    gC = cute.local_tile(dw_slots[None, None, mat - num_local],
+                                         (DW_TILE_M, TILE_N), (m_tile, n_tile))
+                    self.store(tiled_mma, thread, accumulators, gC, cC, d0, d1)
+                words, item_consumer = self.receive_item(item_pipeline, item_consumer, sItems)
+                mat, m_tile, n_tile, num_rows, to_partial = words
             # A CTA with fewer K tiles than the lag still lets warp group 1 go.
             if lag_left > 0:
                 cute.arch.barrier_arrive(barrier_id=LAG_BARRIER,
@@ -593,32 +602,40 @@ class GroupedMatmul:
                                                      NUM_CONSUMER_THREADS))
 
     @cute.jit
-    def take_item(self, schedule: cute.Tensor, item_stride: cutlass.Int32):
-        """Producer warp: the next work item of this CTA, the schedule's counter plus the grid
-        (every CTA's first item is its index). Lane 0 takes it; the warp gets it by shuffle."""
+    def take_item(self, counter):
+        """Producer warp: lane 0 takes the counter's next value (the other lanes hold 0). Apart
+        from `taken_item`, so that the warp may issue loads while the atomic is in flight."""
         taken = cutlass.Int32(0)
         if cute.arch.lane_idx() == 0:
-            taken = cute.arch.atomic_add(schedule.iterator + SCHEDULE_NEXT_ITEM,
-                                         cutlass.Int32(1), sem="relaxed", scope="gpu")
+            taken = cute.arch.atomic_add(counter, cutlass.Int32(1), sem="relaxed", scope="gpu")
+        return taken
+
+    @cute.jit
+    def taken_item(self, taken: cutlass.Int32, item_stride: cutlass.Int32):
+        """Producer warp: the work item that `take_item` took, the counter's value plus the grid
+        (every CTA's first item is its index)."""
         return cute.arch.shuffle_sync(taken, 0) + item_stride
 
     @cute.jit
-    def hand_item(self, item_pipeline, state, sItems: cute.Tensor, item: cutlass.Int32):
-        """Producer warp: put `item` in the next stage of the item ring."""
+    def hand_item(self, item_pipeline, state, sItems: cute.Tensor, words):
+        """Producer warp: put one item's `words` in the next stage of the item ring."""
         item_pipeline.producer_acquire(state)
-        sItems[state.index] = item
+        for w in cutlass.range_constexpr(len(words)):
+            sItems[w, state.index] = words[w]
         item_pipeline.producer_commit(state)
         state.advance()
         return state
 
     @cute.jit
     def receive_item(self, item_pipeline, state, sItems: cute.Tensor):
-        """Consumer thread: the next work item from the item ring."""
+        """Consumer thread: the words of the next work item from the item ring."""
         item_pipeline.consumer_wait(state)
-        item = sItems[state.index]
+        words = []
+        for w in cutlass.range_constexpr(cute.size(sItems, mode=[0])):
+            words.append(sItems[w, state.index])
         item_pipeline.consumer_release(state)
         state.advance()
-        return item, state
+        return tuple(words), state
 
     @cute.jit
     def load(self, ab_pipeline, producer, tma_a: cute.CopyAtom, gA: cute.Tensor,
@@ -702,11 +719,7 @@ class GroupedMatmul:
                 coord = (None, None, k_block, read.index)
                 cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
             cute.nvgpu.warpgroup.commit_group()
-            if lag_left > 0:
-                lag_left -= 1
-                if lag_left == 0:
-                    cute.arch.barrier_arrive(barrier_id=LAG_BARRIER,
-                                             number_of_threads=NUM_CONSUMER_THREADS)
+            lag_left = self.lag_step(lag_left)
             # Keep one K tile of WGMMAs in flight: the one before it is done with its stage.
             cute.nvgpu.warpgroup.wait_group(1)
             if k_tile > 0:
@@ -717,7 +730,21 @@ class GroupedMatmul:
         if num_k_tiles > 0:
             ab_pipeline.consumer_release(release)
             release.advance()
+        else:
+            # An item without K tiles counts as one: warp group 1 reads the item ring only once
+            # it has started, and warp group 0, ITEM_STAGES items ahead of it, would wait for it.
+            lag_left = self.lag_step(lag_left)
         return read, release, lag_left
+
+    @cute.jit
+    def lag_step(self, lag_left: cutlass.Int32):
+        """Warp group 0, dW: one K tile less before warp group 1 starts; at the last, let it."""
+        if lag_left > 0:
+            lag_left -= 1
+            if lag_left == 0:
+                cute.arch.barrier_arrive(barrier_id=LAG_BARRIER,
+                                         number_of_threads=NUM_CONSUMER_THREADS)
+        return lag_left
 
     @cute.jit
     def consume_rows(self, ab_pipeline, read, release, tiled_mma: cute.TiledMma,
@@ -1052,9 +1079,10 @@ def compile_dw(options: str):
         return make_fake_compact_tensor(cutlass.Int32, (_dim(),), assumed_align=4)
 
     ep_rank = make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
+    next_item = make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
     return cute.compile(gemm.weight_grad, x_t, dy_t, matrices(cutlass.BFloat16),
                         matrices(cutlass.Float32), matrices(cutlass.Float32), vector(), vector(),
-                        ep_rank, cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(),
+                        ep_rank, next_item, cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(),
                         options=options)
 
 
