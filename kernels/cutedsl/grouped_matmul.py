@@ -37,9 +37,10 @@ handing it to its consumer warps through a shared-memory ring; warp 0 of warp gr
 (registers given back) issues the TMA loads of every item into a multi-stage mbarrier ring and
 runs ahead into the next item, while warp groups 1 and 2 (alternate 64-row blocks of the tile
 each, 64 x TILE_N WGMMAs) consume the stages and store the accumulators straight from registers
-with row/column predicates, so one item's epilogue overlaps the next item's loads. In a ragged-M tile a warp group issues WGMMAs only for its blocks that hold rows of
-the group (a separate K loop per block count; an idle warp group only releases the stages), so a
-group's last tile costs MMAs for its rows rounded up to 64.
+with row/column predicates, so one item's epilogue overlaps the next item's loads. In a ragged-M
+tile a warp group issues WGMMAs only for its blocks that hold rows of the group (a separate K
+loop per block count; an idle warp group only releases the stages), so a group's last tile costs
+MMAs for its rows rounded up to 64.
 
 Ragged-M tiles are 384 x 128 (M x N; each consumer warp group owns one 64-row block of each of the
 three 128-row chunks, 192 fp32 accumulators per thread): a group of up to 384 rows is one M tile, so
@@ -211,6 +212,7 @@ class GroupedMatmul:
         """Shared memory: the pipeline's barriers, the work-item ring of `item_words` int32 per
         item and its barriers, then one buffer per keyword, each as large as the cosize of the
         layout it is given."""
+        self.item_words = item_words  # make_item_pipeline's view of the ring
         def buffer(layout):
             return cute.struct.Align[
                 cute.struct.MemRange[self.ab_dtype, cute.cosize(layout)], self.buffer_align_bytes]
@@ -282,10 +284,9 @@ class GroupedMatmul:
                     tile_table: cute.Tensor, schedule: cute.Tensor, a_slots: cute.ComposedLayout,
                     b_slots: cute.ComposedLayout):
         ab_pipeline, storage = self.make_pipeline()
-        item_pipeline = self.make_item_pipeline(storage)
+        item_pipeline, sItems = self.make_item_pipeline(storage)
         sA = storage.slots.get_tensor(a_slots.outer, swizzle=a_slots.inner)
         sB = storage.slots.get_tensor(b_slots.outer, swizzle=b_slots.inner)
-        sItems = storage.items.get_tensor(cute.make_layout((ROWS_ITEM_WORDS, ITEM_STAGES)))
         # Only the table's used tiles are items: the unused entries past them cost no iteration.
         num_items = rows_num_items(mC, schedule[SCHEDULE_TILES])
         first_item, item_stride, warp_idx, tidx = persistent_cta()
@@ -464,11 +465,10 @@ class GroupedMatmul:
                            b_smem_staged: cute.ComposedLayout,
                            c_smem_staged: cute.ComposedLayout):
         ab_pipeline, storage = self.make_pipeline()
-        item_pipeline = self.make_item_pipeline(storage)
+        item_pipeline, sItems = self.make_item_pipeline(storage)
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sC = storage.sC.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
-        sItems = storage.items.get_tensor(cute.make_layout((DW_ITEM_WORDS, ITEM_STAGES)))
         num_items = weight_grad_num_items(dw_local, dw_slots)
         num_local = cute.size(dw_local, mode=[2])
         num_mats = num_local + cute.size(dw_slots, mode=[2])
@@ -593,13 +593,16 @@ class GroupedMatmul:
 
     @cute.jit
     def make_item_pipeline(self, storage):
-        """The ring in which the producer warp hands the consumer warp groups their work items:
-        its 32 lanes fill a stage, every consumer thread releases it."""
-        return pipeline.PipelineAsync.create(
+        """The ring in which the producer warp hands the consumer warp groups their work items
+        (its 32 lanes fill a stage, every consumer thread releases it), and its items `[item_words,
+        ITEM_STAGES]` int32 in shared memory."""
+        item_pipeline = pipeline.PipelineAsync.create(
             barrier_storage=storage.item_barriers.data_ptr(), num_stages=ITEM_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                      NUM_CONSUMER_THREADS))
+        return item_pipeline, storage.items.get_tensor(
+            cute.make_layout((self.item_words, ITEM_STAGES)))
 
     @cute.jit
     def take_item(self, counter):
