@@ -26,5 +26,10 @@ constexpr int kTableColumns = 4;
 // Columns of the schedule row that follows the CuTe tile table: its used entries (the ragged-M
 // kernels' work items end there) and the next work item, which the persistent CTAs take in turn.
 constexpr int32_t kScheduleTiles = 0, kScheduleNextItem = 1;
+// dW's schedule [kDwScheduleSlots + B], which its setup kernel fills before each launch: the output
+// matrices with work (every local expert's, then the listed slots'), the next work item, then the
+// slots with work in ascending order (every slot when unused slots are zeroed, else those with
+// rows). dW's work items are the (matrix, M tile, N tile) triples of those matrices.
+constexpr int32_t kDwScheduleMats = 0, kDwScheduleNextItem = 1, kDwScheduleSlots = 2;
 
 }  // namespace moonep

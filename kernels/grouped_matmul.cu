@@ -280,16 +280,38 @@ __global__ void __launch_bounds__(kOvThreads) grouped_matmul_overflow_kernel(Ove
 
 // Loaded on every device when a transport context is created (lazy loading while a peer spins in
 // a barrier can deadlock).
-// ---- dW: its work-item counter, and which local experts receive a replica gradient ------------
-// *next_item = 0 (the dW CTAs take their items from it); with `flags`, flags[j] = 1 when some
-// (rank, slot) of experts_to_copy names local expert j (the same rule as reduce_grad's
-// contribution table); entries naming other ranks' experts or bad ids are ignored here
-// (reduce_grad reports bad ids).
+// ---- dW: its schedule, and which local experts receive a replica gradient ---------------------
+// The schedule (kernels/constants.h) lists the slots with work, so that the dW CTAs, which take
+// their items from its counter, meet no item of an unused slot: each would cost a CTA an atomic
+// and a decode, and at R = 2 0-2 of the 192 slots hold rows. A slot has work when unused slots are
+// zeroed or its group's rows (cu_seqlens[g] - cu_seqlens[g - 1], as the dW kernel reads them) are
+// not 0. With `flags`, flags[j] = 1 when some (rank, slot) of experts_to_copy names local expert
+// j (the same rule as reduce_grad's contribution table); entries naming other ranks' experts or
+// bad ids are ignored here (reduce_grad reports bad ids).
 __global__ void __launch_bounds__(kTableThreads)
-    grouped_matmul_dw_setup_kernel(const int32_t* experts_to_copy, int32_t num_copies,
+    grouped_matmul_dw_setup_kernel(const int32_t* cu_seqlens, int32_t num_groups,
+                                   int32_t num_slots, bool zero_unused_slots,
+                                   const int32_t* experts_to_copy, int32_t num_copies,
                                    const int32_t* ep_rank, int32_t num_local, int32_t* flags,
-                                   int32_t* next_item) {
-  if (threadIdx.x == 0) *next_item = 0;
+                                   int32_t* schedule) {
+  __shared__ int32_t partial[kTableThreads];
+  const int32_t first_slot_group = num_groups - num_slots;
+  int32_t listed = 0;
+  for (int32_t base = 0; base < num_slots; base += kTableThreads) {
+    const int32_t b = base + static_cast<int32_t>(threadIdx.x);
+    const int32_t g = first_slot_group + b;
+    const bool has_work =
+        b < num_slots && (zero_unused_slots || cu_seqlens[g] != (g > 0 ? cu_seqlens[g - 1] : 0));
+    partial[threadIdx.x] = has_work ? 1 : 0;
+    const int32_t count = cta_inclusive_scan(partial);
+    if (has_work) schedule[kDwScheduleSlots + listed + partial[threadIdx.x] - 1] = b;
+    listed += count;
+    __syncthreads();  // every thread has read `partial` before the next chunk writes it
+  }
+  if (threadIdx.x == 0) {
+    schedule[kDwScheduleMats] = num_local + listed;
+    schedule[kDwScheduleNextItem] = 0;
+  }
   if (flags == nullptr) return;
   for (int32_t j = threadIdx.x; j < num_local; j += kTableThreads) flags[j] = 0;
   __syncthreads();
@@ -462,8 +484,9 @@ cudaError_t launch_grouped_matmul_dw(const GroupedMatmulDwParams& p, cudaStream_
   if (cudaError_t e = load_grouped_matmul(); e != cudaSuccess) return e;
   if (cudaError_t e = cutedsl::use_device(p.device); e != cudaSuccess) return e;
   grouped_matmul_dw_setup_kernel<<<1, kTableThreads, 0, stream>>>(
-      p.experts_to_copy, p.num_copies, p.ep_rank, p.num_local,
-      p.num_partials > 0 ? p.replica_flags : nullptr, p.next_item);
+      p.cu_seqlens, p.num_groups, p.num_slots, p.zero_unused_slots, p.experts_to_copy,
+      p.num_copies, p.ep_rank, p.num_local, p.num_partials > 0 ? p.replica_flags : nullptr,
+      p.schedule);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   // A = x^T (D0, NvS) and B = dy^T (D1, NvS): transposed views of the row-major activations.
   auto a = matrix<moonep_grouped_matmul_dw_Tensor_a_t>(p.x, p.num_rows, p.d0, true);
@@ -479,12 +502,13 @@ cudaError_t launch_grouped_matmul_dw(const GroupedMatmulDwParams& p, cudaStream_
   moonep_grouped_matmul_dw_Tensor_cu_seqlens_t cu = {const_cast<int32_t*>(p.cu_seqlens),
                                                      {p.num_groups}};
   moonep_grouped_matmul_dw_Tensor_ep_rank_t rank = {const_cast<int32_t*>(p.ep_rank)};
-  moonep_grouped_matmul_dw_Tensor_next_item_t next_item = {p.next_item};
+  moonep_grouped_matmul_dw_Tensor_schedule_t schedule = {p.schedule,
+                                                          {kDwScheduleSlots + p.num_slots}};
   int32_t ctas = 0;
   if (cudaError_t e = persistent_ctas(p.device, &ctas); e != cudaSuccess) return e;
   const int32_t status = cute_dsl_moonep_grouped_matmul_dw_wrapper(
       dw_module().get(), &a, &b, &dw_local, &dw_partial, &dw_slots, &flags, &cu, &rank,
-      &next_item, p.zero_unused_slots ? 1 : 0, ctas, stream);
+      &schedule, ctas, stream);
   if (status != 0) return static_cast<cudaError_t>(status);
   return cudaGetLastError();
 }

@@ -81,7 +81,7 @@ struct GroupedMatmulDwParams {
   float* dw_partial;               // [num_partials, D0, D1]
   float* dw_slots;                 // [num_slots, D0, D1]
   int32_t* replica_flags;          // [epn] scratch: local expert j receives a replica gradient
-  int32_t* next_item;              // [1] scratch: the dW CTAs' work-item counter
+  int32_t* schedule;               // [kDwScheduleSlots + num_slots] scratch (kernels/constants.h)
   const int32_t* experts_to_copy;  // [num_copies] = [R, B] flattened
   const int32_t* cu_seqlens;       // [G]
   const int32_t* ep_rank;          // [1]

@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "kernels/constants.h"
 #include "kernels/grouped_matmul.h"
 
 namespace moonep {
@@ -119,7 +120,7 @@ cudaError_t grouped_matmul_replays_equal(bool* forward, bool* dx, bool* dw) {
     return b.fill(n * sizeof(uint16_t), v.data());
   };
   DeviceBuffer x, dy, w_local, w_slots, cu, rank, copies, y, dx_out, table, dw_local, dw_slots,
-      flags, next_item;
+      flags, schedule;
   const size_t mats = static_cast<size_t>(kD0) * kD1;
   const size_t table_bytes =
       static_cast<size_t>(grouped_matmul_table_rows(kRows, kLocal + kSlots, false)) * 4 *
@@ -132,7 +133,7 @@ cudaError_t grouped_matmul_replays_equal(bool* forward, bool* dx, bool* dw) {
         y.fill(size_t{kRows} * kD1 * 2, nullptr), dx_out.fill(size_t{kRows} * kD0 * 2, nullptr),
         table.fill(table_bytes, nullptr), dw_local.fill(kLocal * mats * 2, nullptr),
         dw_slots.fill(kSlots * mats * 4, nullptr), flags.fill(kLocal * 4, nullptr),
-        next_item.fill(4, nullptr)}) {
+        schedule.fill((kDwScheduleSlots + kSlots) * 4, nullptr)}) {
     if (e != cudaSuccess) return e;
   }
   const auto rows_params = [&](GroupedMatmulOp op, const DeviceBuffer& in,
@@ -164,7 +165,7 @@ cudaError_t grouped_matmul_replays_equal(bool* forward, bool* dx, bool* dw) {
   dw_params.dw_local = dw_local.as<void>();
   dw_params.dw_slots = dw_slots.as<float>();
   dw_params.replica_flags = flags.as<int32_t>();
-  dw_params.next_item = next_item.as<int32_t>();
+  dw_params.schedule = schedule.as<int32_t>();
   dw_params.experts_to_copy = copies.as<int32_t>();
   dw_params.cu_seqlens = cu.as<int32_t>();
   dw_params.ep_rank = rank.as<int32_t>();

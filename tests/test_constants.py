@@ -42,7 +42,8 @@ def test_cutedsl_tile_table_constants_equal_the_extensions():
     dsl = module_constants(REPO / "kernels" / "cutedsl" / "grouped_matmul.py")
     exported = dict(_ffi.lib().GROUPED_MATMUL_TABLE_CONSTANTS)
     assert exported.keys() == {"KIND_LOCAL", "KIND_SLOT", "KIND_ZERO", "TABLE_COLUMNS",
-                               "SCHEDULE_TILES", "SCHEDULE_NEXT_ITEM"}
+                               "SCHEDULE_TILES", "SCHEDULE_NEXT_ITEM", "DW_SCHEDULE_MATS",
+                               "DW_SCHEDULE_NEXT_ITEM", "DW_SCHEDULE_SLOTS"}
     assert {name: dsl[name] for name in exported} == exported
     assert dsl["TILE_M"] == _ffi.lib().GROUPED_MATMUL_TILE_M
 

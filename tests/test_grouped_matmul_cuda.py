@@ -148,6 +148,49 @@ def test_tile_table_lists_the_plans_tiles_and_every_work_item_is_taken_once(seed
         assert schedule[kinds["SCHEDULE_NEXT_ITEM"]] == len(expected) * num_n_tiles
 
 
+@pytest.mark.parametrize("zero_unused_slots", [False, True])
+def test_dw_schedule_lists_the_matrices_with_work_and_every_item_is_taken_once(
+        seed, zero_unused_slots):
+    """dW's schedule scratch after the launch: its matrices with work (every local expert's, then
+    the slots' with rows, listed ascending, or every slot's when unused ones are zeroed), and
+    its counter, from which each CTA's producer takes once before its first item (the CTA's
+    index) and once per item: it ends at the items plus the grid (an item taken twice, or lost,
+    or one of an unused slot would move it)."""
+    from test_constants import REPO, module_constants
+
+    from moonep_jax import _ffi
+
+    dsl = module_constants(REPO / "kernels" / "cutedsl" / "grouped_matmul.py")
+    kinds = _ffi.lib().GROUPED_MATMUL_TABLE_CONSTANTS
+    rng = np.random.default_rng(seed)
+    num_rows, d0, d1 = 3000, 1024, 1024
+    sizes = _group_sizes(rng, "random", num_rows)  # the first and the last slot empty
+    cu_seqlens = np.cumsum(sizes).astype(np.int32)
+    bf16 = lambda shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+    x, dy = bf16((num_rows, d0)), bf16((num_rows, d1))
+    first_slot = kinds["DW_SCHEDULE_SLOTS"]
+    call = jax.jit(lambda *a: jax.ffi.ffi_call("moonep_grouped_matmul_dw", (
+        jax.ShapeDtypeStruct((EPN, d0, d1), jnp.bfloat16),
+        jax.ShapeDtypeStruct((0, d0, d1), jnp.float32),
+        jax.ShapeDtypeStruct((EPN, d0, d1), jnp.float32),
+        jax.ShapeDtypeStruct((EPN,), jnp.int32),
+        jax.ShapeDtypeStruct((first_slot + EPN,), jnp.int32)))(
+            *a, zero_unused_slots=np.int32(zero_unused_slots)))
+    no_copies = np.full((NUM_RANKS, EPN), -1, np.int32)
+    *_, schedule = call(x, dy, cu_seqlens, np.array([RANK], np.int32), no_copies)
+    schedule = np.asarray(schedule)
+    slot_rows = sizes[NUM_EXPERTS:]
+    listed = np.arange(EPN) if zero_unused_slots else np.flatnonzero(slot_rows)
+    assert zero_unused_slots or 0 < len(listed) < EPN
+    num_mats = EPN + len(listed)
+    assert schedule[kinds["DW_SCHEDULE_MATS"]] == num_mats
+    np.testing.assert_array_equal(schedule[first_slot:first_slot + len(listed)], listed)
+    items_per_mat = -(-d0 // dsl["DW_TILE_M"]) * -(-d1 // dsl["TILE_N"])
+    grid = min(jax.devices()[0].core_count, 2 * EPN * items_per_mat)
+    assert num_mats * items_per_mat >= grid
+    assert schedule[kinds["DW_SCHEDULE_NEXT_ITEM"]] == num_mats * items_per_mat + grid
+
+
 def _experts_to_copy(rng, replicated):
     """An `[R, B]` table whose slots on the other rank name exactly this rank's local experts
     `replicated`, and whose slots on this rank name another rank's expert (which must not
@@ -213,7 +256,7 @@ def test_grouped_matmul_dw_matches_fp32_reference(seed, case, num_rows, d0, d1):
 def test_grouped_matmul_dw_covers_every_matrix_of_any_count(seed, num_local, num_slots):
     """dW with other counts of local experts and slots than the layout above (odd ones, and
     fewer slots than local experts): every local expert and slot gets its own group's gradient
-    (the items walk matrix after matrix by carries from the CTA's first item and stride)."""
+    (the items run over the schedule's matrices, matrix after matrix)."""
     from moonep_jax._cuda.grouped_matmul import grouped_matmul_dw_of_groups
 
     rng = np.random.default_rng(seed)

@@ -139,7 +139,7 @@ ffi::Error GroupedMatmulDwImpl(
     ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::S32> cu_seqlens, ffi::Buffer<ffi::S32> ep_rank,
     ffi::Buffer<ffi::S32> experts_to_copy, ffi::ResultBuffer<ffi::BF16> dw_local,
     ffi::ResultBuffer<ffi::F32> dw_partial, ffi::ResultBuffer<ffi::F32> dw_slots,
-    ffi::ResultBuffer<ffi::S32> replica_flags, ffi::ResultBuffer<ffi::S32> next_item,
+    ffi::ResultBuffer<ffi::S32> replica_flags, ffi::ResultBuffer<ffi::S32> schedule,
     int32_t zero_unused_slots) {
   constexpr const char* kTarget = "moonep_grouped_matmul_dw";
   auto xd = x.dimensions(), dyd = dy.dimensions(), wl = dw_local->dimensions();
@@ -162,8 +162,10 @@ ffi::Error GroupedMatmulDwImpl(
     return shape_error(kTarget, "experts_to_copy", "[R, B]", experts_to_copy.dimensions());
   if (!has_shape(replica_flags->dimensions(), {epn}))
     return shape_error(kTarget, "replica_flags", "[epn]", replica_flags->dimensions());
-  if (next_item->element_count() != 1)
-    return shape_error(kTarget, "next_item", "[1]", next_item->dimensions());
+  if (!has_shape(schedule->dimensions(), {moonep::kDwScheduleSlots + ws[0]}))
+    return shape_error(kTarget, "schedule",
+                       "[" + std::to_string(moonep::kDwScheduleSlots) + " + (B or 0)]",
+                       schedule->dimensions());
   const moonep::GroupedMatmulDwParams params{
       .device = device_ordinal,
       .x = x.untyped_data(),
@@ -172,7 +174,7 @@ ffi::Error GroupedMatmulDwImpl(
       .dw_partial = dw_partial->typed_data(),
       .dw_slots = dw_slots->typed_data(),
       .replica_flags = replica_flags->typed_data(),
-      .next_item = next_item->typed_data(),
+      .schedule = schedule->typed_data(),
       .experts_to_copy = experts_to_copy.typed_data(),
       .cu_seqlens = cu_seqlens.typed_data(),
       .ep_rank = ep_rank.typed_data(),
@@ -228,6 +230,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGroupedMatmulDw, GroupedMatmulDwImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dw_partial [epn | 0, D0, D1]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dw_slots [B | 0, D0, D1]
                                   .Ret<ffi::Buffer<ffi::S32>>()   // replica_flags scratch [epn]
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // next_item scratch [1]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // schedule [kDwScheduleSlots + (B | 0)]
                                   .Attr<int32_t>("zero_unused_slots"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -80,6 +80,9 @@ PYBIND11_MODULE(_moonep_jax_cuda, m) {
   table_kinds["TABLE_COLUMNS"] = moonep::kTableColumns;
   table_kinds["SCHEDULE_TILES"] = moonep::kScheduleTiles;
   table_kinds["SCHEDULE_NEXT_ITEM"] = moonep::kScheduleNextItem;
+  table_kinds["DW_SCHEDULE_MATS"] = moonep::kDwScheduleMats;
+  table_kinds["DW_SCHEDULE_NEXT_ITEM"] = moonep::kDwScheduleNextItem;
+  table_kinds["DW_SCHEDULE_SLOTS"] = moonep::kDwScheduleSlots;
   m.attr("GROUPED_MATMUL_TABLE_CONSTANTS") = table_kinds;
   moonep::register_transport_bindings(m);
 }

@@ -28,11 +28,13 @@ accumulators) unless `replica_flags[j]` is set and `dw_partial` has matrices: th
 goes to `dw_partial[j]`, the first term of reduce_grad's fixed-order sum, and `dw_local[j]` is left
 for reduce_grad to write. So an expert without replicas is written once, in bf16, and nothing
 else in the step touches it. An empty group runs no K tile and writes zeros, except an empty slot
-group when `zero_unused_slots` is 0: it writes nothing (moe_ffn never reads an unused slot's
-gradient, and zeroing B = epn fp32 slot matrices costs more than the slots that hold rows).
+group when unused slots are not zeroed: it has no work items (moe_ffn never reads an unused slot's
+gradient, and zeroing B = epn fp32 slot matrices costs more than the slots that hold rows). The
+work items are those of the matrices with work, which the call's setup kernel lists in dW's
+`schedule` (kernels/constants.h), with its counter.
 
 The CTA program is persistent and warp-specialised: one CTA per SM walks the work items, taking
-each next one from a counter (ragged M: in the tile table's schedule row; dW: `next_item`) and
+each next one from a counter (ragged M: in the tile table's schedule row; dW: in its schedule) and
 handing it to its consumer warps through a shared-memory ring; warp 0 of warp group 0
 (registers given back) issues the TMA loads of every item into a multi-stage mbarrier ring and
 runs ahead into the next item, while warp groups 1 and 2 (alternate 64-row blocks of the tile
@@ -83,7 +85,11 @@ goes) and hands them over decoded, the K tail is zeroed by a fixed set of predic
 the most loaded CTA 2-4.5 % above the mean for down at maxvio >= 10 (a model of the items), and
 the consumers decoded each item themselves (ab_gemm, dW, one call, new/base/base/new, R = 2
 maxvio 0.2 / 1 / 10 / 20, R = 8 maxvio 1 / 20, R1 E192 maxvio 20: summed 1.5 % faster; at
-maxvio 20 4-11 % faster at every point, gate_up at R = 2 maxvio 0.2 / 1 1-6 % slower).
+maxvio 20 4-11 % faster at every point, gate_up at R = 2 maxvio 0.2 / 1 1-6 % slower). Those
+slower points were the unused slots' items: taken from the counter, each still cost its CTA an
+atomic and a decode (R = 2: ~190 unused slots, half of the items); with the schedule listing only
+the matrices with work, the same A/B against that kernel: summed 3.4 % faster, every R = 2 call
+3-7 % faster, R = 8 and R = 1 (no slots) within -2 to +4 %.
 """
 
 import cuda.bindings.driver as cuda
@@ -113,6 +119,8 @@ KIND_LOCAL, KIND_SLOT, KIND_ZERO = 0, 1, 2
 TABLE_COLUMNS = 4
 # Columns of the schedule row (after the table): the table's used entries, the next work item.
 SCHEDULE_TILES, SCHEDULE_NEXT_ITEM = 0, 1
+# dW's schedule: its matrices with work, the next work item, then the slots with work.
+DW_SCHEDULE_MATS, DW_SCHEDULE_NEXT_ITEM, DW_SCHEDULE_SLOTS = 0, 1, 2
 # Work items the producer warp hands its consumers ahead (shared-memory ring), and the int32
 # words of one: ragged M hands the item, dW its decoded (matrix, M tile, N tile, rows, to_partial).
 ITEM_STAGES = 4
@@ -158,11 +166,10 @@ def weight_grad_tiles(dw_local: cute.Tensor):
             cute.ceil_div(cute.size(dw_local, mode=[1]), TILE_N))
 
 
-def weight_grad_num_items(dw_local: cute.Tensor, dw_slots: cute.Tensor):
-    """Work items of dW: (output matrix, M tile, N tile) triples."""
+def weight_grad_num_items(dw_local: cute.Tensor, num_mats):
+    """Work items of dW: (output matrix, M tile, N tile) triples of `num_mats` matrices."""
     num_m_tiles, num_n_tiles = weight_grad_tiles(dw_local)
-    return (num_m_tiles * num_n_tiles
-            * (cute.size(dw_local, mode=[2]) + cute.size(dw_slots, mode=[2])))
+    return num_m_tiles * num_n_tiles * num_mats
 
 
 def persistent_cta():
@@ -362,19 +369,19 @@ class GroupedMatmul:
     @cute.jit
     def weight_grad(self, a: cute.Tensor, b: cute.Tensor, dw_local: cute.Tensor,
                     dw_partial: cute.Tensor, dw_slots: cute.Tensor, replica_flags: cute.Tensor,
-                    cu_seqlens: cute.Tensor, ep_rank: cute.Tensor, next_item: cute.Tensor,
-                    zero_unused_slots: cutlass.Int32, num_ctas: cutlass.Int32,
-                    stream: cuda.CUstream):
+                    cu_seqlens: cute.Tensor, ep_rank: cute.Tensor, schedule: cute.Tensor,
+                    num_ctas: cutlass.Int32, stream: cuda.CUstream):
         """`dw_*[j] = a[:, rows of group] . b[:, rows of group]^T` for every local expert and slot.
 
         `a [D0, NvS]` (x^T), `b [D1, NvS]` (dy^T), `dw_local [D0, D1, epn]` bf16,
         `dw_partial [D0, D1, P]` fp32 with P = epn or 0, `dw_slots [D0, D1, B']` fp32 with
         B' = B or 0; `replica_flags [epn]` int32 (local expert j's sum goes to `dw_partial[j]`
         when set and P > 0); `cu_seqlens [G]`; `ep_rank [1]` int32 (this rank, read on the
-        device: local expert j is group `ep_rank * epn + j`); `zero_unused_slots` 0 leaves the
-        matrices of slots without rows unwritten; `next_item [1]` int32 the CTAs' work-item
-        counter, 0 at the launch; `num_ctas` persistent CTAs share the (matrix, M tile, N tile)
-        work items.
+        device: local expert j is group `ep_rank * epn + j`); `schedule [DW_SCHEDULE_SLOTS + B']`
+        int32, as the setup kernel leaves it: the matrices with work (every local expert's, then
+        the listed slots'), the work-item counter at 0, the slots with work ascending (the
+        others' matrices are left unwritten); `num_ctas` persistent CTAs share the (matrix,
+        M tile, N tile) work items of the matrices with work.
         """
         self._setup(a, b, (DW_TILE_M, TILE_N, DW_TILE_K),
                     stage_bytes=(DW_TILE_M + TILE_N) * DW_TILE_K * a.element_type.width // 8,
@@ -405,34 +412,40 @@ class GroupedMatmul:
             tiler_mn=(ATOM_M, TILE_N))
         self.shared_storage = self._shared_storage(DW_ITEM_WORDS, sA=self.a_smem_staged,
                                                    sB=self.b_smem_staged, sC=self.c_smem_staged)
-        num_items = weight_grad_num_items(dw_local, dw_slots)
+        most_items = weight_grad_num_items(
+            dw_local, cute.size(dw_local, mode=[2]) + cute.size(dw_slots, mode=[2]))
         self.weight_grad_kernel(
             self.tiled_mma, block_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c,
-            dw_local, dw_partial, dw_slots, replica_flags, cu_seqlens, ep_rank, next_item,
-            zero_unused_slots, self.a_smem_staged, self.b_smem_staged, self.c_smem_staged,
-        ).launch(grid=(cutlass.min(num_ctas, num_items), 1, 1), block=(self.num_threads, 1, 1),
+            dw_local, dw_partial, dw_slots, replica_flags, cu_seqlens, ep_rank, schedule,
+            self.a_smem_staged, self.b_smem_staged, self.c_smem_staged,
+        ).launch(grid=(cutlass.min(num_ctas, most_items), 1, 1), block=(self.num_threads, 1, 1),
                  stream=stream)
 
     @cute.jit
-    def weight_grad_coords(self, item: cutlass.Int32, dw_local: cute.Tensor):
-        """Work item -> (mat, m_tile, n_tile), N tiles fastest (the producer warp's divisions:
-        in the consumer warps, ~10 % of their time at R = 2, ncu stall samples)."""
+    def weight_grad_coords(self, item: cutlass.Int32, dw_local: cute.Tensor,
+                           schedule: cute.Tensor, num_work_mats: cutlass.Int32):
+        """Work item -> (mat, m_tile, n_tile), N tiles fastest, of the schedule's matrices with
+        work (the producer warp's divisions: in the consumer warps, ~10 % of their time at R = 2,
+        ncu stall samples). An item past the last (the one after a CTA's last, which the
+        producer decodes an item ahead) gives the last matrix, so that its decode reads in
+        bounds."""
         num_m_tiles, num_n_tiles = weight_grad_tiles(dw_local)
-        return (item // (num_n_tiles * num_m_tiles), (item // num_n_tiles) % num_m_tiles,
-                item % num_n_tiles)
+        num_local = cute.size(dw_local, mode=[2])
+        listed = cutlass.min(item // (num_n_tiles * num_m_tiles), num_work_mats - 1)
+        mat = listed
+        if listed >= num_local:
+            mat = num_local + schedule[DW_SCHEDULE_SLOTS + listed - num_local]
+        return mat, (item // num_n_tiles) % num_m_tiles, item % num_n_tiles
 
     @cute.jit
     def weight_grad_item(self, mat: cutlass.Int32, dw_local: cute.Tensor,
                          dw_partial: cute.Tensor, dw_slots: cute.Tensor,
                          replica_flags: cute.Tensor, cu_seqlens: cute.Tensor,
-                         first_local_group: cutlass.Int32, zero_unused_slots: cutlass.Int32):
-        """Output matrix -> (has_work, row_start, rows, to_partial): whether its item has
-        anything to do, its group's rows, and whether a local expert's fp32 sum goes to
-        `dw_partial`. A matrix past the last (that of the item after a CTA's last, which the
-        producer decodes an item ahead) reads the last matrix's data, in bounds."""
+                         first_local_group: cutlass.Int32):
+        """Output matrix -> (row_start, rows, to_partial): its group's rows, and whether a local
+        expert's fp32 sum goes to `dw_partial`."""
         num_local = cute.size(dw_local, mode=[2])
         num_slots = cute.size(dw_slots, mode=[2])
-        mat = cutlass.min(mat, num_local + num_slots - 1)
         num_experts = cute.size(cu_seqlens, mode=[0]) - num_slots
         group = first_local_group + mat
         if mat >= num_local:
@@ -441,17 +454,11 @@ class GroupedMatmul:
         if group > 0:
             row_start = cu_seqlens[group - 1]
         num_rows = cu_seqlens[group] - row_start
-        # An empty slot whose matrix need not be zeroed has nothing to do.
-        has_work = 1
-        if zero_unused_slots == 0:
-            if mat >= num_local:
-                if num_rows == 0:
-                    has_work = 0
         to_partial = cutlass.Int32(0)
         if cute.size(dw_partial, mode=[2]) > 0:
             if mat < num_local:
                 to_partial = replica_flags[mat]
-        return has_work, row_start, num_rows, to_partial
+        return row_start, num_rows, to_partial
 
     @cute.kernel
     def weight_grad_kernel(self, tiled_mma: cute.TiledMma, block_mma: cute.TiledMma,
@@ -459,8 +466,7 @@ class GroupedMatmul:
                            tma_b: cute.CopyAtom, mB: cute.Tensor, tma_c: cute.CopyAtom,
                            mC: cute.Tensor, dw_local: cute.Tensor, dw_partial: cute.Tensor,
                            dw_slots: cute.Tensor, replica_flags: cute.Tensor,
-                           cu_seqlens: cute.Tensor, ep_rank: cute.Tensor, next_item: cute.Tensor,
-                           zero_unused_slots: cutlass.Int32,
+                           cu_seqlens: cute.Tensor, ep_rank: cute.Tensor, schedule: cute.Tensor,
                            a_smem_staged: cute.ComposedLayout,
                            b_smem_staged: cute.ComposedLayout,
                            c_smem_staged: cute.ComposedLayout):
@@ -469,7 +475,6 @@ class GroupedMatmul:
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sC = storage.sC.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
-        num_items = weight_grad_num_items(dw_local, dw_slots)
         num_local = cute.size(dw_local, mode=[2])
         num_mats = num_local + cute.size(dw_slots, mode=[2])
         first_item, item_stride, warp_idx, tidx = persistent_cta()
@@ -483,34 +488,38 @@ class GroupedMatmul:
                 item_producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                              ITEM_STAGES)
                 first_local_group = ep_rank[0] * num_local
-                # Items are taken, not dealt (module docstring). The producer decodes each item
-                # and hands the consumers what they need, so that their per-item work, which only
-                # the other warp group's MMAs cover, holds no index arithmetic and no loads; items
-                # without work are not handed at all. It runs an item ahead: it takes and decodes
-                # item i + 1 (the atomic taken while item i - 1 loaded, the decode's loads in
-                # flight) before it loads item i.
+                num_work_mats = schedule[DW_SCHEDULE_MATS]
+                num_items = weight_grad_num_items(dw_local, num_work_mats)
+                # Items are taken, not dealt (module docstring), and only those of matrices with
+                # work exist: with a counter, each unused slot's item would still cost its CTA an
+                # atomic and a decode (R = 2 lists 0-2 of its 192 slots). The producer decodes
+                # each item and hands the consumers what they need, so that their per-item work,
+                # which only the other warp group's MMAs cover, holds no index arithmetic and no
+                # loads. It runs an item ahead: it takes and decodes item i + 1 (the atomic taken
+                # while item i - 1 loaded, the decode's loads in flight) before it loads item i.
                 item_args = (dw_local, dw_partial, dw_slots, replica_flags, cu_seqlens,
-                             first_local_group, zero_unused_slots)
+                             first_local_group)
+                counter = schedule.iterator + DW_SCHEDULE_NEXT_ITEM
                 item = first_item
-                mat, m_tile, n_tile = self.weight_grad_coords(item, dw_local)
+                mat, m_tile, n_tile = self.weight_grad_coords(item, dw_local, schedule,
+                                                              num_work_mats)
                 decoded = self.weight_grad_item(mat, *item_args)
-                taken = self.take_item(next_item.iterator)
+                taken = self.take_item(counter)
                 while item < num_items:
                     following = self.taken_item(taken, item_stride)
-                    taken = self.take_item(next_item.iterator)
-                    next_mat, next_m_tile, next_n_tile = self.weight_grad_coords(following,
-                                                                                 dw_local)
+                    taken = self.take_item(counter)
+                    next_mat, next_m_tile, next_n_tile = self.weight_grad_coords(
+                        following, dw_local, schedule, num_work_mats)
                     next_decoded = self.weight_grad_item(next_mat, *item_args)
-                    has_work, row_start, num_rows, to_partial = decoded
-                    if has_work != 0:
-                        item_producer = self.hand_item(item_pipeline, item_producer, sItems,
-                                                       (mat, m_tile, n_tile, num_rows, to_partial))
-                        gA = cute.local_tile(cute.domain_offset((0, row_start), mA),
-                                             (DW_TILE_M, DW_TILE_K), (m_tile, None))
-                        gB = cute.local_tile(cute.domain_offset((0, row_start), mB),
-                                             (TILE_N, DW_TILE_K), (n_tile, None))
-                        producer = self.load(ab_pipeline, producer, tma_a, gA, sA, tma_b, gB, sB,
-                                             cute.ceil_div(num_rows, DW_TILE_K))
+                    row_start, num_rows, to_partial = decoded
+                    item_producer = self.hand_item(item_pipeline, item_producer, sItems,
+                                                   (mat, m_tile, n_tile, num_rows, to_partial))
+                    gA = cute.local_tile(cute.domain_offset((0, row_start), mA),
+                                         (DW_TILE_M, DW_TILE_K), (m_tile, None))
+                    gB = cute.local_tile(cute.domain_offset((0, row_start), mB),
+                                         (TILE_N, DW_TILE_K), (n_tile, None))
+                    producer = self.load(ab_pipeline, producer, tma_a, gA, sA, tma_b, gB, sB,
+                                         cute.ceil_div(num_rows, DW_TILE_K))
                     item, mat, m_tile, n_tile = following, next_mat, next_m_tile, next_n_tile
                     decoded = next_decoded
                 # A matrix past the last tells the consumers to stop.
@@ -1082,11 +1091,9 @@ def compile_dw(options: str):
         return make_fake_compact_tensor(cutlass.Int32, (_dim(),), assumed_align=4)
 
     ep_rank = make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
-    next_item = make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
     return cute.compile(gemm.weight_grad, x_t, dy_t, matrices(cutlass.BFloat16),
                         matrices(cutlass.Float32), matrices(cutlass.Float32), vector(), vector(),
-                        ep_rank, next_item, cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(),
-                        options=options)
+                        ep_rank, vector(), cutlass.Int32(1), make_fake_stream(), options=options)
 
 
 EXPORTS = {

@@ -115,12 +115,14 @@ def grouped_matmul_dw_of_groups(x, dy, cu_seqlens, ep_rank, experts_to_copy, num
     _check("moonep_grouped_matmul_dw", {"x": x, "dy": dy})
     aval = jax.typeof(x)
     d0, d1 = x.shape[1], dy.shape[1]
+    schedule_slots = _ffi.lib().GROUPED_MATMUL_TABLE_CONSTANTS["DW_SCHEDULE_SLOTS"]
     dw_local, dw_partial, dw_slots, _, _ = jax.ffi.ffi_call("moonep_grouped_matmul_dw", (
         aval.update(shape=(num_local, d0, d1)),
         aval.update(shape=(num_partials, d0, d1), dtype=jnp.float32),
         aval.update(shape=(num_slots, d0, d1), dtype=jnp.float32),
         aval.update(shape=(num_local,), dtype=jnp.int32),  # replica_flags scratch
-        aval.update(shape=(1,), dtype=jnp.int32),  # next_item scratch: dW's work-item counter
+        # schedule scratch: the matrices with work and the work-item counter (kernels/constants.h)
+        aval.update(shape=(schedule_slots + num_slots,), dtype=jnp.int32),
     ))(x, dy, cu_seqlens, ep_rank, experts_to_copy,
        zero_unused_slots=np.int32(zero_unused_slots))
     return dw_local, dw_partial, dw_slots
