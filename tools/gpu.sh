@@ -85,7 +85,9 @@ build() {
 }
 
 # build-base REV: commit REV checked out in build/base_src (a git worktree), built into
-# .gpu_base/ for `ab`.
+# .gpu_base/ for `ab`, with REV's moonep_jax package beside the extension: `ab` puts .gpu_base
+# first on the base runs' PYTHONPATH, so they call the extension through its own Python (an
+# FFI call's results may differ between the two commits: 6713821's A/B lost its base runs to that).
 build_base() {
   local rev=${1:?usage: bash tools/gpu.sh build-base REV}
   set -e
@@ -93,6 +95,7 @@ build_base() {
   git worktree prune
   git worktree add --detach build/base_src "$rev"
   build_tree build/base_src .gpu_base
+  cp -r build/base_src/moonep_jax .gpu_base/
   echo "built .gpu_base from $(cat .gpu_base/COMMIT); carry [\".gpu\", \".gpu_base\"] and run:" \
     "bash tools/gpu.sh ab --kinds ... --groupings ..."
 }
