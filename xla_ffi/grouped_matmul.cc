@@ -230,6 +230,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoonepGroupedMatmulDw, GroupedMatmulDwImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dw_partial [epn | 0, D0, D1]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dw_slots [B | 0, D0, D1]
                                   .Ret<ffi::Buffer<ffi::S32>>()   // replica_flags scratch [epn]
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // schedule [kDwScheduleSlots + (B | 0)]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // schedule scratch (constants.h)
                                   .Attr<int32_t>("zero_unused_slots"),
                               {ffi::Traits::kCmdBufferCompatible});

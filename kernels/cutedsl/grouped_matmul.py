@@ -490,12 +490,10 @@ class GroupedMatmul:
                 first_local_group = ep_rank[0] * num_local
                 num_work_mats = schedule[DW_SCHEDULE_MATS]
                 num_items = weight_grad_num_items(dw_local, num_work_mats)
-                # Items are taken, not dealt (module docstring), and only those of matrices with
-                # work exist: with a counter, each unused slot's item would still cost its CTA an
-                # atomic and a decode (R = 2 lists 0-2 of its 192 slots). The producer decodes
-                # each item and hands the consumers what they need, so that their per-item work,
-                # which only the other warp group's MMAs cover, holds no index arithmetic and no
-                # loads. It runs an item ahead: it takes and decodes item i + 1 (the atomic taken
+                # Items are taken, not dealt, and only the schedule's matrices have items (module
+                # docstring). The producer decodes each item and hands the consumers what they
+                # need, so that their per-item work, which only the other warp group's MMAs
+                # cover, holds no index arithmetic and no loads. It runs an item ahead: it takes and decodes item i + 1 (the atomic taken
                 # while item i - 1 loaded, the decode's loads in flight) before it loads item i.
                 item_args = (dw_local, dw_partial, dw_slots, replica_flags, cu_seqlens,
                              first_local_group)
