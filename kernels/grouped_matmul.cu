@@ -67,6 +67,17 @@ __device__ int32_t cta_inclusive_scan(int32_t* partial) {
   return partial[kTableThreads - 1];
 }
 
+// This thread's contiguous range [begin, end) of `count` items dealt over the CTA, so that one
+// scan of per-thread counts places every item (items in ascending order across the threads).
+struct ThreadRange {
+  int32_t begin, end;
+};
+__device__ ThreadRange thread_range(int32_t count) {
+  const int32_t chunk = (count + kTableThreads - 1) / kTableThreads;
+  const int32_t begin = min(static_cast<int32_t>(threadIdx.x) * chunk, count);
+  return {begin, min(begin + chunk, count)};
+}
+
 // Rows per tile of a segment: the overflow kernel has its own CTA tile.
 __device__ int32_t tile_rows(int32_t kind) {
   return kind == kKindOverflow ? kGroupedMatmulOverflowTileM : kGroupedMatmulTileM;
@@ -92,10 +103,7 @@ __global__ void __launch_bounds__(kTableThreads)
   const bool overflow = overflow_table != nullptr;
   const int32_t num_experts = num_groups - num_slots;
   const int32_t first_local = ep_rank[0] * num_local;
-  const int32_t num_segments = num_groups + 1;
-  const int32_t chunk = (num_segments + kTableThreads - 1) / kTableThreads;
-  const int32_t seg_begin = min(static_cast<int32_t>(threadIdx.x) * chunk, num_segments);
-  const int32_t seg_end = min(seg_begin + chunk, num_segments);
+  const auto [seg_begin, seg_end] = thread_range(num_groups + 1);
   int32_t kind, start, end, mat;
   int32_t my_tiles = 0, my_overflow_tiles = 0;
   for (int32_t s = seg_begin; s < seg_end; ++s) {
@@ -278,8 +286,6 @@ __global__ void __launch_bounds__(kOvThreads) grouped_matmul_overflow_kernel(Ove
   }
 }
 
-// Loaded on every device when a transport context is created (lazy loading while a peer spins in
-// a barrier can deadlock).
 // ---- dW: its schedule, and which local experts receive a replica gradient ---------------------
 // The schedule (kernels/constants.h) lists the slots with work, so that the dW CTAs, which take
 // their items from its counter, meet no item of an unused slot: each would cost a CTA an atomic
@@ -296,18 +302,18 @@ __global__ void __launch_bounds__(kTableThreads)
                                    int32_t* schedule) {
   __shared__ int32_t partial[kTableThreads];
   const int32_t first_slot_group = num_groups - num_slots;
-  int32_t listed = 0;
-  for (int32_t base = 0; base < num_slots; base += kTableThreads) {
-    const int32_t b = base + static_cast<int32_t>(threadIdx.x);
+  auto has_work = [&](int32_t b) {
     const int32_t g = first_slot_group + b;
-    const bool has_work =
-        b < num_slots && (zero_unused_slots || cu_seqlens[g] != (g > 0 ? cu_seqlens[g - 1] : 0));
-    partial[threadIdx.x] = has_work ? 1 : 0;
-    const int32_t count = cta_inclusive_scan(partial);
-    if (has_work) schedule[kDwScheduleSlots + listed + partial[threadIdx.x] - 1] = b;
-    listed += count;
-    __syncthreads();  // every thread has read `partial` before the next chunk writes it
-  }
+    return zero_unused_slots || cu_seqlens[g] != (g > 0 ? cu_seqlens[g - 1] : 0);
+  };
+  const auto [slot_begin, slot_end] = thread_range(num_slots);
+  int32_t my_listed = 0;
+  for (int32_t b = slot_begin; b < slot_end; ++b) my_listed += has_work(b) ? 1 : 0;
+  partial[threadIdx.x] = my_listed;
+  const int32_t listed = cta_inclusive_scan(partial);
+  int32_t index = kDwScheduleSlots + partial[threadIdx.x] - my_listed;
+  for (int32_t b = slot_begin; b < slot_end; ++b)
+    if (has_work(b)) schedule[index++] = b;
   if (threadIdx.x == 0) {
     schedule[kDwScheduleMats] = num_local + listed;
     schedule[kDwScheduleNextItem] = 0;
@@ -322,6 +328,8 @@ __global__ void __launch_bounds__(kTableThreads)
   }
 }
 
+// Loaded on every device when a transport context is created (lazy loading while a peer spins in
+// a barrier can deadlock).
 [[maybe_unused]] const int kPreloaded[] = {
     register_kernel_for_preload(as_symbol(&grouped_matmul_tile_table_kernel)),
     register_kernel_for_preload(as_symbol(&grouped_matmul_dw_setup_kernel)),
