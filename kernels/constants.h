@@ -19,13 +19,16 @@ constexpr int kMaxTopK = 32;
 constexpr int32_t kDropped = INT32_MIN;
 
 // Grouped-GEMM tile-table kinds and columns, read by the CuTe DSL kernels. kKindOverflow is
-// C++ only: it marks a segment of a peer's expert, which goes to the overflow table.
+// C++ only: it marks a segment of a peer's expert, which goes to the overflow table. An entry is
+// (kind, row_start, row_end, mat, first item, N tiles per item): the tile's work items are the
+// consecutive items from its first, each of that many N tiles (kernels/grouped_matmul.cu).
 constexpr int32_t kKindLocal = 0, kKindSlot = 1, kKindZero = 2;
 constexpr int32_t kKindOverflow = 3;
-constexpr int kTableColumns = 4;
-// Columns of the schedule row that follows the CuTe tile table: its used entries (the ragged-M
-// kernels' work items end there) and the next work item, which the persistent CTAs take in turn.
-constexpr int32_t kScheduleTiles = 0, kScheduleNextItem = 1;
+constexpr int32_t kTableFirstItem = 4, kTableItemNTiles = 5;
+constexpr int kTableColumns = 6;
+// Columns of the schedule row that follows the CuTe tile table: its used entries, the next work
+// item, which the persistent CTAs take in turn, and the work items of all used entries.
+constexpr int32_t kScheduleTiles = 0, kScheduleNextItem = 1, kScheduleItems = 2;
 // dW's schedule [kDwScheduleSlots + B], which its setup kernel fills before each launch: the output
 // matrices with work (every local expert's, then the listed slots'), the next work item, then the
 // slots with work in ascending order (every slot when unused slots are zeroed, else those with

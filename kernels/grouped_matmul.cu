@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "cutedsl/load_module.h"
@@ -21,13 +22,17 @@ constexpr int kTableThreads = 1024;
 constexpr int kMailboxWLocal = mailbox_slot(kOpGroupedMatmul, 0);
 
 // ---- Tile tables: one entry per M tile of every group, then the zero tail -----------------------
-// CuTe table entry i = (kind, row_start, row_end, mat). Segment s < G is group s, segment G the
-// rows past cu_seqlens[G-1]. Ends are clamped to [start, num_rows] so a corrupt plan never writes
-// outside. Schedule row: (used entries, next work item = 0, 0, 0), see kernels/constants.h; it is
-// written here because this kernel runs before every GEMM launch, so the item counter starts at 0
-// in every call, also replayed from a CUDA graph. Overflow table (when `overflow_table` is not
-// null): row 0 = (count, 0, 0, 0), row 1 + i = (row_start, row_end, home rank, local expert index)
-// of overflow tile i.
+// CuTe table entry i = (kind, row_start, row_end, mat, first item, N tiles per item). Segment
+// s < G is group s, segment G the rows past cu_seqlens[G-1]. Ends are clamped to [start, num_rows]
+// so a corrupt plan never writes outside. A tile's work items are consecutive, in table order, so
+// that a tile's N tiles run side by side and share its A rows in L2; each covers one N tile, or,
+// when the tile's group has at most one A chunk of rows from row_start on (and rows to multiply),
+// kGroupedMatmulWideNTiles of them (kernels/grouped_matmul.h; the CuTe module docstring says why).
+// Schedule row: (used entries, next work item = 0, work items, 0, ...), see kernels/constants.h;
+// it is written here because this kernel runs before every GEMM launch, so the item counter starts
+// at 0 in every call, also replayed from a CUDA graph. Overflow table (when `overflow_table` is
+// not null): row 0 = (count, 0, ...), row 1 + i = (row_start, row_end, home rank, local expert
+// index, 0, ...) of overflow tile i.
 __device__ void segment_of(const int32_t* cu_seqlens, int32_t num_groups, int32_t num_experts,
                            int32_t first_local, int32_t num_local, int32_t num_rows, bool overflow,
                            int32_t s, int32_t& kind, int32_t& start, int32_t& end, int32_t& mat) {
@@ -78,67 +83,88 @@ __device__ ThreadRange thread_range(int32_t count) {
   return {begin, min(begin + chunk, count)};
 }
 
-// Rows per tile of a segment: the overflow kernel has its own CTA tile.
-__device__ int32_t tile_rows(int32_t kind) {
-  return kind == kKindOverflow ? kGroupedMatmulOverflowTileM : kGroupedMatmulTileM;
+// N tiles per work item of a CuTe tile of `kind` whose group has `rows` rows from its start.
+__device__ int32_t item_n_tiles(int32_t kind, int32_t rows) {
+  const bool multiplies = kind == kKindLocal || kind == kKindSlot;
+  return multiplies && rows <= kGroupedMatmulChunkM ? kGroupedMatmulWideNTiles : 1;
 }
 
-__device__ void write_entry(int32_t* table, int32_t index, int32_t c0, int32_t c1, int32_t c2,
-                            int32_t c3) {
+__host__ __device__ constexpr int32_t ceil_div(int32_t a, int32_t b) { return (a + b - 1) / b; }
+
+// Entry `index` of a [., kTableColumns] table: `values`, then zeros.
+__device__ void write_entry(int32_t* table, int32_t index,
+                            std::initializer_list<int32_t> values) {
   int32_t* entry = table + static_cast<int64_t>(index) * kTableColumns;
-  entry[0] = c0;
-  entry[1] = c1;
-  entry[2] = c2;
-  entry[3] = c3;
+  int32_t column = 0;
+  for (const int32_t v : values) entry[column++] = v;
+  for (; column < kTableColumns; ++column) entry[column] = 0;
 }
 
 __global__ void __launch_bounds__(kTableThreads)
     grouped_matmul_tile_table_kernel(const int32_t* cu_seqlens, const int32_t* ep_rank,
                                      int32_t num_groups, int32_t num_local, int32_t num_slots,
-                                     int32_t num_rows, int32_t max_tiles,
+                                     int32_t num_rows, int32_t num_n_tiles, int32_t max_tiles,
                                      int32_t max_overflow_tiles, int32_t* table,
                                      int32_t* schedule, int32_t* overflow_table) {
   __shared__ int32_t partial[kTableThreads];
+  __shared__ int32_t partial_items[kTableThreads];
   __shared__ int32_t partial_overflow[kTableThreads];
   const bool overflow = overflow_table != nullptr;
   const int32_t num_experts = num_groups - num_slots;
   const int32_t first_local = ep_rank[0] * num_local;
+  // Zeros first: the thread that writes the last used entry writes the items after the scans'
+  // barriers.
+  if (threadIdx.x == 0) write_entry(schedule, 0, {});
   const auto [seg_begin, seg_end] = thread_range(num_groups + 1);
   int32_t kind, start, end, mat;
-  int32_t my_tiles = 0, my_overflow_tiles = 0;
+  int32_t my_tiles = 0, my_items = 0, my_overflow_tiles = 0;
   for (int32_t s = seg_begin; s < seg_end; ++s) {
     segment_of(cu_seqlens, num_groups, num_experts, first_local, num_local, num_rows, overflow, s,
                kind, start, end, mat);
-    const int32_t tile_m = tile_rows(kind);
-    (kind == kKindOverflow ? my_overflow_tiles : my_tiles) += (end - start + tile_m - 1) / tile_m;
+    if (kind == kKindOverflow) {
+      my_overflow_tiles += ceil_div(end - start, kGroupedMatmulOverflowTileM);
+      continue;
+    }
+    for (int32_t row = start; row < end; row += kGroupedMatmulTileM) {
+      ++my_tiles;
+      my_items += ceil_div(num_n_tiles, item_n_tiles(kind, end - row));
+    }
   }
   partial[threadIdx.x] = my_tiles;
+  partial_items[threadIdx.x] = my_items;
   partial_overflow[threadIdx.x] = my_overflow_tiles;
   const int32_t total = cta_inclusive_scan(partial);
+  cta_inclusive_scan(partial_items);
   const int32_t total_overflow = cta_inclusive_scan(partial_overflow);
+  // A corrupt plan's segments may overlap (its ends clamped, not sorted): entries past max_tiles
+  // are dropped, with their items.
+  const int32_t used = min(total, max_tiles);
   int32_t tile = partial[threadIdx.x] - my_tiles;
+  int32_t item = partial_items[threadIdx.x] - my_items;
   int32_t overflow_tile = partial_overflow[threadIdx.x] - my_overflow_tiles;
   for (int32_t s = seg_begin; s < seg_end; ++s) {
     segment_of(cu_seqlens, num_groups, num_experts, first_local, num_local, num_rows, overflow, s,
                kind, start, end, mat);
-    for (int32_t row = start; row < end; row += tile_rows(kind)) {
-      if (kind != kKindOverflow) {
-        if (tile < max_tiles) write_entry(table, tile, kind, row, end, mat);
-        ++tile;
-      } else {
+    if (kind == kKindOverflow) {
+      for (int32_t row = start; row < end; row += kGroupedMatmulOverflowTileM) {
         if (overflow_tile < max_overflow_tiles)
-          write_entry(overflow_table, 1 + overflow_tile, row, end, mat / num_local,
-                      mat % num_local);
+          write_entry(overflow_table, 1 + overflow_tile, {row, end, mat / num_local,
+                                                          mat % num_local});
         ++overflow_tile;
       }
+      continue;
+    }
+    for (int32_t row = start; row < end; row += kGroupedMatmulTileM) {
+      const int32_t n_tiles = item_n_tiles(kind, end - row);
+      if (tile < max_tiles) write_entry(table, tile, {kind, row, end, mat, item, n_tiles});
+      item += ceil_div(num_n_tiles, n_tiles);
+      if (tile == used - 1) schedule[kScheduleItems] = item;
+      ++tile;
     }
   }
   if (threadIdx.x == 0) {
-    int32_t row[kTableColumns] = {};
-    row[kScheduleTiles] = min(total, max_tiles);
-    row[kScheduleNextItem] = 0;
-    write_entry(schedule, 0, row[0], row[1], row[2], row[3]);
-    if (overflow) write_entry(overflow_table, 0, min(total_overflow, max_overflow_tiles), 0, 0, 0);
+    schedule[kScheduleTiles] = used;
+    if (overflow) write_entry(overflow_table, 0, {min(total_overflow, max_overflow_tiles)});
   }
 }
 
@@ -437,7 +463,8 @@ cudaError_t launch_grouped_matmul(const GroupedMatmulParams& p, cudaStream_t str
   int32_t* schedule = p.tile_table + static_cast<int64_t>(max_tiles) * kTableColumns;
   int32_t* overflow_table = p.overflow ? schedule + kTableColumns : nullptr;
   grouped_matmul_tile_table_kernel<<<1, kTableThreads, 0, stream>>>(
-      p.cu_seqlens, p.ep_rank, p.num_groups, p.num_local, p.num_slots, p.num_rows, max_tiles,
+      p.cu_seqlens, p.ep_rank, p.num_groups, p.num_local, p.num_slots, p.num_rows,
+      ceil_div(p.op == GroupedMatmulOp::kForward ? p.d1 : p.d0, kGroupedMatmulTileN), max_tiles,
       max_overflow_tiles, p.tile_table, schedule, overflow_table);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (p.overflow) {

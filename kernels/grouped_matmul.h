@@ -17,6 +17,12 @@ namespace moonep {
 // overflow kernel (its own CTA tile).
 constexpr int32_t kGroupedMatmulTileM = 384;
 constexpr int32_t kGroupedMatmulOverflowTileM = 128;
+// The ragged-M CuTe kernels' N tile and A chunk (TILE_N, A_CHUNK_M), and the N tiles of one work
+// item of a tile whose group has at most one chunk of rows left (WIDE_N_TILES): such an item
+// multiplies its one A chunk by that many B tiles (the accumulators of the other chunks hold them).
+constexpr int32_t kGroupedMatmulTileN = 128;
+constexpr int32_t kGroupedMatmulChunkM = 128;
+constexpr int32_t kGroupedMatmulWideNTiles = 3;
 
 // Tile-table entries needed at most with `tile_m`-row tiles: ceil(NvS / tile_m) full tiles, plus
 // one partial tile per group, plus the zero tail past cu_seqlens[G-1].

@@ -123,7 +123,7 @@ cudaError_t grouped_matmul_replays_equal(bool* forward, bool* dx, bool* dw) {
       flags, schedule;
   const size_t mats = static_cast<size_t>(kD0) * kD1;
   const size_t table_bytes =
-      static_cast<size_t>(grouped_matmul_table_rows(kRows, kLocal + kSlots, false)) * 4 *
+      static_cast<size_t>(grouped_matmul_table_rows(kRows, kLocal + kSlots, false)) * kTableColumns *
       sizeof(int32_t);
   for (cudaError_t e :
        {bf16(x, size_t{kRows} * kD0), bf16(dy, size_t{kRows} * kD1), bf16(w_local, kLocal * mats),

@@ -41,11 +41,16 @@ def test_config_constants_equal_the_extensions():
 def test_cutedsl_tile_table_constants_equal_the_extensions():
     dsl = module_constants(REPO / "kernels" / "cutedsl" / "grouped_matmul.py")
     exported = dict(_ffi.lib().GROUPED_MATMUL_TABLE_CONSTANTS)
-    assert exported.keys() == {"KIND_LOCAL", "KIND_SLOT", "KIND_ZERO", "TABLE_COLUMNS",
-                               "SCHEDULE_TILES", "SCHEDULE_NEXT_ITEM", "DW_SCHEDULE_MATS",
+    assert exported.keys() == {"KIND_LOCAL", "KIND_SLOT", "KIND_ZERO", "TABLE_FIRST_ITEM",
+                               "TABLE_ITEM_N_TILES", "TABLE_COLUMNS", "SCHEDULE_TILES",
+                               "SCHEDULE_NEXT_ITEM", "SCHEDULE_ITEMS", "DW_SCHEDULE_MATS",
                                "DW_SCHEDULE_NEXT_ITEM", "DW_SCHEDULE_SLOTS"}
     assert {name: dsl[name] for name in exported} == exported
-    assert dsl["TILE_M"] == _ffi.lib().GROUPED_MATMUL_TILE_M
+    lib = _ffi.lib()
+    # The table kernel counts the tiles and decides which items are wide.
+    assert (dsl["TILE_M"], dsl["TILE_N"], dsl["A_CHUNK_M"], dsl["WIDE_N_TILES"]) == (
+        lib.GROUPED_MATMUL_TILE_M, lib.GROUPED_MATMUL_TILE_N, lib.GROUPED_MATMUL_CHUNK_M,
+        lib.GROUPED_MATMUL_WIDE_N_TILES)
 
 
 def test_benchmarks_fallback_tile_height_equals_the_kernels():

@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moonep_jax import _ffi
+
 pytestmark = pytest.mark.gpu
 
 
@@ -93,11 +95,16 @@ def test_grouped_matmul_forward_and_dx_match_fp32_reference(seed, case, num_rows
     _assert_bf16_close(dx, dx_ref)
 
 
-def _expected_tile_table(cu_seqlens, num_rows, tile_m, kinds):
+def _expected_tile_table(cu_seqlens, num_rows, num_n_tiles, kinds):
     """The used entries of the ragged-M tile table, as kernels/grouped_matmul.cu defines them: per
-    segment (each group, then the rows past cu_seqlens[-1]) one (kind, row_start, row_end, mat)
-    per tile_m rows; a group of another rank's expert (bad plan data without overflow) is zeroed."""
-    entries = []
+    segment (each group, then the rows past cu_seqlens[-1]) one (kind, row_start, row_end, mat,
+    first item, N tiles per item) per TILE_M rows; a group of another rank's expert (bad plan data
+    without overflow) is zeroed. A tile's items follow the previous tile's; each covers one N tile,
+    or WIDE_N_TILES when the group has at most one A chunk of rows from the tile's start and is
+    multiplied. Returns the entries and the items."""
+    lib = _ffi.lib()
+    tile_m, chunk_m = lib.GROUPED_MATMUL_TILE_M, lib.GROUPED_MATMUL_CHUNK_M
+    entries, items = [], 0
     ends = list(cu_seqlens) + [num_rows]
     for s, end in enumerate(ends):
         start = 0 if s == 0 else ends[s - 1]
@@ -107,29 +114,34 @@ def _expected_tile_table(cu_seqlens, num_rows, tile_m, kinds):
             kind, mat = kinds["KIND_LOCAL"], s - RANK * EPN
         else:
             kind, mat = kinds["KIND_ZERO"], 0
-        entries += [(kind, row, end, mat) for row in range(start, end, tile_m)]
-    return np.array(entries, np.int32).reshape(-1, 4)
+        for row in range(start, end, tile_m):
+            wide = kind != kinds["KIND_ZERO"] and end - row <= chunk_m
+            n_tiles = lib.GROUPED_MATMUL_WIDE_N_TILES if wide else 1
+            entries.append((kind, row, end, mat, items, n_tiles))
+            items += -(-num_n_tiles // n_tiles)
+    return np.array(entries, np.int32).reshape(-1, kinds["TABLE_COLUMNS"]), items
 
 
-def test_tile_table_lists_the_plans_tiles_and_every_work_item_is_taken_once(seed):
-    """The forward's tile-table scratch: its used entries are the plan's tiles, and its schedule
-    row holds their count and the work-item counter after the launch, which every CTA's producer
-    takes from until it runs past the last item: it ends at exactly tiles x N tiles (an item taken
-    twice, or one lost, would move it), also after a second launch into a fresh table."""
-    from test_constants import REPO, module_constants
+@pytest.mark.parametrize("d1", [384, 640])
+def test_tile_table_lists_the_plans_tiles_and_every_work_item_is_taken_once(seed, d1):
+    """The forward's tile-table scratch: its used entries are the plan's tiles with their first
+    work items, and its schedule row holds their count, their items, and the work-item counter
+    after the launch, which every CTA's producer takes from until it runs past the last item: it
+    ends at exactly the items (an item taken twice, or one lost, would move it), also after a
+    second launch into a fresh table. N = 384 and 640: 3 and 5 N tiles, so wide items cover
+    every N tile of a tile, or the last one fewer."""
+    from moonep_jax._cuda.grouped_matmul import _NO_TRANSPORT, table_rows
 
-    from moonep_jax import _ffi
-    from moonep_jax._cuda.grouped_matmul import _NO_TRANSPORT, table_rows, tile_m
-
-    tile_n = module_constants(REPO / "kernels" / "cutedsl" / "grouped_matmul.py")["TILE_N"]
+    lib = _ffi.lib()
     rng = np.random.default_rng(seed)
-    num_rows, d0, d1 = 6000, 64, 384
+    num_rows, d0 = 6000, 64
     sizes = _group_sizes(rng, "random", num_rows)
-    sizes[RANK * EPN] += 2 * tile_m() + 5   # a group over three M tiles
-    sizes[0] = 7                            # rows of another rank's expert: zeroed
+    sizes[RANK * EPN] += 2 * lib.GROUPED_MATMUL_TILE_M + 5   # a group over three M tiles
+    sizes[RANK * EPN + 2] = 100                             # one chunk: a wide tile
+    sizes[0] = 7                                            # rows of another rank's expert: zeroed
     sizes = np.floor(sizes * min(1.0, (num_rows - 3) / sizes.sum())).astype(np.int64)
     cu_seqlens = np.cumsum(sizes).astype(np.int32)
-    kinds = _ffi.lib().GROUPED_MATMUL_TABLE_CONSTANTS
+    kinds = lib.GROUPED_MATMUL_TABLE_CONSTANTS
     rows = table_rows(num_rows, NUM_GROUPS, False)
     bf16 = lambda shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
     x, w_local, w_slots = bf16((num_rows, d0)), bf16((EPN, d0, d1)), bf16((EPN, d0, d1))
@@ -137,15 +149,18 @@ def test_tile_table_lists_the_plans_tiles_and_every_work_item_is_taken_once(seed
         jax.ShapeDtypeStruct((num_rows, d1), jnp.bfloat16),
         jax.ShapeDtypeStruct((rows, kinds["TABLE_COLUMNS"]), jnp.int32)))(
             *a, **_NO_TRANSPORT))
-    expected = _expected_tile_table(cu_seqlens, num_rows, tile_m(), kinds)
-    num_n_tiles = -(-d1 // tile_n)
+    expected, items = _expected_tile_table(
+        cu_seqlens, num_rows, -(-d1 // lib.GROUPED_MATMUL_TILE_N), kinds)
+    wide = expected[:, kinds["TABLE_ITEM_N_TILES"]] > 1
+    assert wide.any() and not wide.all()
     for _ in range(2):
         _, table = call(x, w_local, w_slots, cu_seqlens, np.array([RANK], np.int32))
         table = np.asarray(table)
         schedule = table[rows - 1]
         assert schedule[kinds["SCHEDULE_TILES"]] == len(expected)
+        assert schedule[kinds["SCHEDULE_ITEMS"]] == items
         np.testing.assert_array_equal(table[:len(expected)], expected)
-        assert schedule[kinds["SCHEDULE_NEXT_ITEM"]] == len(expected) * num_n_tiles
+        assert schedule[kinds["SCHEDULE_NEXT_ITEM"]] == items
 
 
 @pytest.mark.parametrize("zero_unused_slots", [False, True])
@@ -157,8 +172,6 @@ def test_dw_schedule_lists_the_matrices_with_work_and_every_item_is_taken_once(
     index) and once per item: it ends at the items plus the grid (an item taken twice, or lost,
     or one of an unused slot would move it)."""
     from test_constants import REPO, module_constants
-
-    from moonep_jax import _ffi
 
     dsl = module_constants(REPO / "kernels" / "cutedsl" / "grouped_matmul.py")
     kinds = _ffi.lib().GROUPED_MATMUL_TABLE_CONSTANTS
@@ -290,8 +303,6 @@ def test_launchers_captured_into_a_cuda_graph_replay_what_a_direct_launch_writes
     refuses, nothing loaded or allocated on the way), replay twice over poisoned outputs and
     write exactly the direct launch's bytes (a full and a partial M tile, an empty group, a
     used slot, rows of no group)."""
-    from moonep_jax import _ffi
-
     assert _ffi.lib().grouped_matmul_replays_equal() == (True, True, True)
 
 

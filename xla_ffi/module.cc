@@ -42,6 +42,9 @@ PYBIND11_MODULE(_moonep_jax_cuda, m) {
         py::arg("num_groups"), py::arg("overflow"),
         "Rows of the grouped GEMM's [rows, TABLE_COLUMNS] int32 tile-table scratch.");
   m.attr("GROUPED_MATMUL_TILE_M") = moonep::kGroupedMatmulTileM;
+  m.attr("GROUPED_MATMUL_TILE_N") = moonep::kGroupedMatmulTileN;
+  m.attr("GROUPED_MATMUL_CHUNK_M") = moonep::kGroupedMatmulChunkM;
+  m.attr("GROUPED_MATMUL_WIDE_N_TILES") = moonep::kGroupedMatmulWideNTiles;
   m.attr("MAX_PREFETCH_WEIGHTS") = moonep::kMaxPrefetchWeights;
   m.def(
       "plan_graph_nodes",
@@ -77,9 +80,12 @@ PYBIND11_MODULE(_moonep_jax_cuda, m) {
   table_kinds["KIND_LOCAL"] = moonep::kKindLocal;
   table_kinds["KIND_SLOT"] = moonep::kKindSlot;
   table_kinds["KIND_ZERO"] = moonep::kKindZero;
+  table_kinds["TABLE_FIRST_ITEM"] = moonep::kTableFirstItem;
+  table_kinds["TABLE_ITEM_N_TILES"] = moonep::kTableItemNTiles;
   table_kinds["TABLE_COLUMNS"] = moonep::kTableColumns;
   table_kinds["SCHEDULE_TILES"] = moonep::kScheduleTiles;
   table_kinds["SCHEDULE_NEXT_ITEM"] = moonep::kScheduleNextItem;
+  table_kinds["SCHEDULE_ITEMS"] = moonep::kScheduleItems;
   table_kinds["DW_SCHEDULE_MATS"] = moonep::kDwScheduleMats;
   table_kinds["DW_SCHEDULE_NEXT_ITEM"] = moonep::kDwScheduleNextItem;
   table_kinds["DW_SCHEDULE_SLOTS"] = moonep::kDwScheduleSlots;

@@ -112,24 +112,32 @@ TILE_M, DW_TILE_M, TILE_N, TILE_K, DW_TILE_K = 384, 256, 128, 64, 32
 # tile, and take the shared memory of a full tile.
 A_CHUNK_M = 128
 A_CHUNKS = TILE_M // A_CHUNK_M  # chunks of a ragged-M tile
+# N tiles of a wide work item: that of a tile whose group has at most one chunk of rows left, which
+# multiplies its chunk by this many B tiles into the accumulators the other chunks would use (the
+# table kernel decides which items are wide: kernels/grouped_matmul.h holds the C++ copy).
+WIDE_N_TILES = 3
 ATOM_M = 64  # rows of one WGMMA; the two consumer warp groups own the two halves of a chunk
 # Tile table columns and kinds (the C++ copies are in kernels/constants.h; tests/test_constants.py
-# holds the two equal).
+# holds the two equal). An entry is (kind, row_start, row_end, mat, first item, N tiles per item).
 KIND_LOCAL, KIND_SLOT, KIND_ZERO = 0, 1, 2
-TABLE_COLUMNS = 4
-# Columns of the schedule row (after the table): the table's used entries, the next work item.
-SCHEDULE_TILES, SCHEDULE_NEXT_ITEM = 0, 1
+TABLE_FIRST_ITEM, TABLE_ITEM_N_TILES = 4, 5
+TABLE_COLUMNS = 6
+# Columns of the schedule row (after the table): the table's used entries, the next work item, the
+# work items of the used entries.
+SCHEDULE_TILES, SCHEDULE_NEXT_ITEM, SCHEDULE_ITEMS = 0, 1, 2
 # dW's schedule: its matrices with work, the next work item, then the slots with work.
 DW_SCHEDULE_MATS, DW_SCHEDULE_NEXT_ITEM, DW_SCHEDULE_SLOTS = 0, 1, 2
 # Work items the producer warp hands its consumers ahead (shared-memory ring), and the int32
-# words of one: ragged M hands the item, dW its decoded (matrix, M tile, N tile, rows, to_partial).
+# words of one: ragged M hands its (table tile, first N tile), NO_TILE after the last; dW its
+# decoded (matrix, M tile, N tile, rows, to_partial).
 ITEM_STAGES = 4
-ROWS_ITEM_WORDS, DW_ITEM_WORDS = 1, 5
+ROWS_ITEM_WORDS, DW_ITEM_WORDS = 2, 5
+NO_TILE = -1
 # Each stride and dimension that TMA sees must be a multiple of 16 bytes = 8 bf16.
 ALIGN_ELEMS = 8
 # Warp specialisation: warp group 0 loads (one warp issues TMA), warp groups 1 and 2 compute.
 THREADS_PER_GROUP = 128
-WARPS_PER_GROUP = THREADS_PER_GROUP // 32
+WARPS_PER_GROUP = THREADS_PER_GROUP // cute.arch.WARP_SIZE
 CONSUMER_GROUPS = 2
 NUM_CONSUMER_THREADS = CONSUMER_GROUPS * THREADS_PER_GROUP
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 * 40 + 256 * 232 <= 64K registers per SM
@@ -148,9 +156,9 @@ DW_LAG_K_TILES = 3
 DW_EPILOGUE_STAGES = 4
 
 
-def rows_num_items(c: cute.Tensor, num_tiles):
-    """Work items of the ragged-M kernels: (table tile, N tile) pairs of `num_tiles` tiles."""
-    return cute.ceil_div(cute.size(c, mode=[1]), TILE_N) * num_tiles
+def rows_num_n_tiles(c: cute.Tensor):
+    """N tiles of a ragged-M output `c [M, N]`."""
+    return cute.ceil_div(cute.size(c, mode=[1]), TILE_N)
 
 
 @cute.jit
@@ -240,8 +248,8 @@ class GroupedMatmul:
 
         `a [M, K]`, `b_* (N, K, mats)` (the weights in (N, K) orientation, one matrix per index
         of the last mode), `c [M, N]`; `schedule [TABLE_COLUMNS]` the table's schedule row (its
-        used tiles, and the item counter at 0); `num_ctas` persistent CTAs (one per SM) share the
-        (table tile, N tile) work items.
+        used tiles, the item counter at 0, its work items); `num_ctas` persistent CTAs (one per
+        SM) share the work items: each is one N tile of a table tile, or WIDE_N_TILES of them.
         """
         # Stage s of the ring is one slot: an A chunk (a_smem_staged's view of it) or a B tile
         # (b_smem_staged's), both A_CHUNK_M (= TILE_N) x TILE_K.
@@ -256,7 +264,10 @@ class GroupedMatmul:
         tma_b_slots, tma_tensor_b_slots = self._tma_load(
             b_slots, self.b_smem_staged, (TILE_N, TILE_K))
         self.shared_storage = self._shared_storage(ROWS_ITEM_WORDS, slots=self.a_smem_staged)
-        num_items = rows_num_items(c, cute.size(tile_table, mode=[0]))
+        # A wide item's N tiles take the accumulators of the tile's chunks.
+        assert WIDE_N_TILES <= A_CHUNKS, "a wide item has an accumulator per N tile"
+        # Work items at most: one per (table entry, N tile).
+        num_items = rows_num_n_tiles(c) * cute.size(tile_table, mode=[0])
         self.rows_kernel(
             self.tiled_mma, tma_a, tma_tensor_a, tma_b_local, tma_tensor_b_local, tma_b_slots,
             tma_tensor_b_slots, c, tile_table, schedule, self.a_smem_staged, self.b_smem_staged,
@@ -264,25 +275,47 @@ class GroupedMatmul:
                  stream=stream)
 
     @cute.jit
-    def rows_item(self, item: cutlass.Int32, mA: cute.Tensor, mB_local: cute.Tensor,
-                  mB_slots: cute.Tensor, mC: cute.Tensor, tile_table: cute.Tensor):
-        """Work item -> (kind, row_start, row_end, K tiles, gA, gB_local, gB_slots, n_tile);
-        `gA` is (A_CHUNK_M, TILE_K, row chunk, K tile) from `row_start`."""
-        num_n_tiles = cute.ceil_div(cute.size(mC, mode=[1]), TILE_N)
-        n_tile = item % num_n_tiles
-        table_idx = item // num_n_tiles
-        kind = tile_table[table_idx, 0]
-        row_start = tile_table[table_idx, 1]
-        row_end = tile_table[table_idx, 2]
-        mat = tile_table[table_idx, 3]
+    def item_coords(self, item: cutlass.Int32, tile: cutlass.Int32, tile_table: cute.Tensor,
+                    num_tiles: cutlass.Int32):
+        """Producer warp: (table tile, first N tile) of work item `item`. The tile is the last
+        used entry whose first item is at most `item`, searched forward from `tile` (a CTA's
+        items ascend, so its last item's tile): each lane reads one entry's first item, and a
+        ballot counts those at most `item`, a warp's worth of entries per step."""
+        lane = cute.arch.lane_idx()
+        ahead = cutlass.Int32(cute.arch.WARP_SIZE)
+        first = cutlass.Int32(0)
+        while ahead == cute.arch.WARP_SIZE:
+            first = item + 1
+            if tile + lane < num_tiles:
+                first = tile_table[tile + lane, TABLE_FIRST_ITEM]
+            ahead = cute.arch.popc(cute.arch.vote_ballot_sync(first <= item))
+            tile = tile + ahead - 1
+        first = cute.arch.shuffle_sync(first, ahead - 1)
+        return tile, (item - first) * tile_table[tile, TABLE_ITEM_N_TILES]
+
+    @cute.jit
+    def rows_item(self, tile: cutlass.Int32, n_tile: cutlass.Int32, mA: cute.Tensor,
+                  mB_local: cute.Tensor, mB_slots: cute.Tensor, mC: cute.Tensor,
+                  tile_table: cute.Tensor):
+        """Work item (table tile, first N tile) -> (kind, row_start, row_end, K tiles, the
+        entry's N tiles per item, the item's N tiles, gA, gB_local, gB_slots); `gA` is
+        (A_CHUNK_M, TILE_K, row chunk, K tile) from `row_start`, `gB_*` (TILE_N, TILE_K, N tile,
+        K tile)."""
+        kind = tile_table[tile, 0]
+        row_start = tile_table[tile, 1]
+        row_end = tile_table[tile, 2]
+        mat = tile_table[tile, 3]
+        item_n_tiles = tile_table[tile, TABLE_ITEM_N_TILES]
+        n_tiles = cutlass.min(item_n_tiles, rows_num_n_tiles(mC) - n_tile)
         num_k_tiles = cute.ceil_div(cute.size(mA, mode=[1]), TILE_K)
         if kind == KIND_ZERO:
             num_k_tiles = 0
         gA = cute.local_tile(cute.domain_offset((row_start, 0), mA), (A_CHUNK_M, TILE_K),
                              (None, None))
-        gB_local = cute.local_tile(mB_local[None, None, mat], (TILE_N, TILE_K), (n_tile, None))
-        gB_slots = cute.local_tile(mB_slots[None, None, mat], (TILE_N, TILE_K), (n_tile, None))
-        return kind, row_start, row_end, num_k_tiles, gA, gB_local, gB_slots, n_tile
+        gB_local = cute.local_tile(mB_local[None, None, mat], (TILE_N, TILE_K), (None, None))
+        gB_slots = cute.local_tile(mB_slots[None, None, mat], (TILE_N, TILE_K), (None, None))
+        return (kind, row_start, row_end, num_k_tiles, item_n_tiles, n_tiles, gA, gB_local,
+                gB_slots)
 
     @cute.kernel
     def rows_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
@@ -294,8 +327,9 @@ class GroupedMatmul:
         item_pipeline, sItems = self.make_item_pipeline(storage)
         sA = storage.slots.get_tensor(a_slots.outer, swizzle=a_slots.inner)
         sB = storage.slots.get_tensor(b_slots.outer, swizzle=b_slots.inner)
-        # Only the table's used tiles are items: the unused entries past them cost no iteration.
-        num_items = rows_num_items(mC, schedule[SCHEDULE_TILES])
+        # Only the table's used tiles have items: the unused entries past them cost no iteration.
+        num_tiles = schedule[SCHEDULE_TILES]
+        num_items = schedule[SCHEDULE_ITEMS]
         first_item, item_stride, warp_idx, tidx = persistent_cta()
         if warp_idx < WARPS_PER_GROUP:
             cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
@@ -314,22 +348,27 @@ class GroupedMatmul:
                 # per 128-row chunk; 1 % at maxvio 0.2). Items still start in order, so a table
                 # tile's N tiles run side by side and share its A rows in L2.
                 item = first_item
+                tile = cutlass.Int32(0)
                 while item < num_items:
                     next_item = self.taken_item(
                         self.take_item(schedule.iterator + SCHEDULE_NEXT_ITEM), item_stride)
-                    item_producer = self.hand_item(item_pipeline, item_producer, sItems, (item,))
-                    kind, row_start, row_end, num_k_tiles, gA, gB_local, gB_slots, _ = (
-                        self.rows_item(item, mA, mB_local, mB_slots, mC, tile_table))
+                    tile, n_tile = self.item_coords(item, tile, tile_table, num_tiles)
+                    item_producer = self.hand_item(item_pipeline, item_producer, sItems,
+                                                   (tile, n_tile))
+                    kind, row_start, row_end, num_k_tiles, _, n_tiles, gA, gB_local, gB_slots = (
+                        self.rows_item(tile, n_tile, mA, mB_local, mB_slots, mC, tile_table))
                     a_chunks = tile_chunks(row_start, row_end)
                     if kind == KIND_SLOT:
                         producer = self.load_rows(ab_pipeline, producer, tma_a, gA, sA, a_chunks,
-                                                  tma_b_slots, gB_slots, sB, num_k_tiles)
+                                                  tma_b_slots, gB_slots, sB, n_tile, n_tiles,
+                                                  num_k_tiles)
                     else:
                         producer = self.load_rows(ab_pipeline, producer, tma_a, gA, sA, a_chunks,
-                                                  tma_b_local, gB_local, sB, num_k_tiles)
+                                                  tma_b_local, gB_local, sB, n_tile, n_tiles,
+                                                  num_k_tiles)
                     item = next_item
-                # The item past the last tells the consumers to stop.
-                item_producer = self.hand_item(item_pipeline, item_producer, sItems, (item,))
+                item_producer = self.hand_item(item_pipeline, item_producer, sItems,
+                                               (cutlass.Int32(NO_TILE), cutlass.Int32(0)))
                 ab_pipeline.producer_tail(producer)
                 item_pipeline.producer_tail(item_producer)
         else:
@@ -339,30 +378,39 @@ class GroupedMatmul:
             # halves of every chunk), from the warp-uniform warp index: ptxas serialises WGMMAs
             # under a branch it cannot prove uniform.
             first_row = (warp_idx // WARPS_PER_GROUP - 1) * ATOM_M
-            # One accumulator per chunk: this warp group's ATOM_M x TILE_N block of it.
+            # Accumulator i: this warp group's ATOM_M x TILE_N block of chunk i, or in a wide
+            # item of N tile n_tile + i (of the one chunk).
             tCrA, tCrB, accumulators, read, release = self.consumer_setup(
                 tiled_mma, sA, sB, thread, (A_CHUNK_M, TILE_N), A_CHUNKS)
             item_consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                          ITEM_STAGES)
             words, item_consumer = self.receive_item(item_pipeline, item_consumer, sItems)
-            item = words[0]
-            while item < num_items:
-                kind, row_start, row_end, num_k_tiles, _, _, _, n_tile = self.rows_item(
-                    item, mA, mB_local, mB_slots, mC, tile_table)
+            tile, n_tile = words
+            while tile != NO_TILE:
+                kind, row_start, row_end, num_k_tiles, item_n_tiles, n_tiles, _, _, _ = (
+                    self.rows_item(tile, n_tile, mA, mB_local, mB_slots, mC, tile_table))
                 read, release = self.consume_rows(
                     ab_pipeline, read, release, tiled_mma, tCrA, tCrB, accumulators,
-                    num_k_tiles, tile_chunks(row_start, row_end), row_end - row_start,
-                    first_row)
-                # Store rows [row_start, row_end) of this tile, chunk by chunk; columns < N
-                # (and < D0 for dX).
-                for c in cutlass.range_constexpr(A_CHUNKS):
-                    gC = cute.local_tile(cute.domain_offset((row_start + c * A_CHUNK_M, 0), mC),
-                                         (A_CHUNK_M, TILE_N), (0, n_tile))
-                    self.store_segments(tiled_mma, thread, accumulators[c], gC,
-                                        row_end - row_start - c * A_CHUNK_M,
-                                        cute.size(mC, mode=[1]) - n_tile * TILE_N)
+                    num_k_tiles, tile_chunks(row_start, row_end), n_tiles,
+                    row_end - row_start, first_row)
+                # Store rows [row_start, row_end) and columns < N (and < D0 for dX): accumulator
+                # i at chunk i of N tile n_tile, or in a wide item at chunk 0 of N tile
+                # n_tile + i.
+                chunk_step = cutlass.Int32(1)
+                n_step = cutlass.Int32(0)
+                if item_n_tiles > 1:
+                    chunk_step = cutlass.Int32(0)
+                    n_step = cutlass.Int32(1)
+                for i in cutlass.range_constexpr(A_CHUNKS):
+                    chunk = i * chunk_step
+                    n = n_tile + i * n_step
+                    gC = cute.local_tile(cute.domain_offset((row_start, 0), mC),
+                                         (A_CHUNK_M, TILE_N), (chunk, n))
+                    self.store_segments(tiled_mma, thread, accumulators[i], gC,
+                                        row_end - row_start - chunk * A_CHUNK_M,
+                                        cute.size(mC, mode=[1]) - n * TILE_N)
                 words, item_consumer = self.receive_item(item_pipeline, item_consumer, sItems)
-                item = words[0]
+                tile, n_tile = words
 
     # ---- ragged K: dW -------------------------------------------------------------------------
 
@@ -670,11 +718,12 @@ class GroupedMatmul:
     @cute.jit
     def load_rows(self, ab_pipeline, producer, tma_a: cute.CopyAtom, gA: cute.Tensor,
                   sA: cute.Tensor, a_chunks: cutlass.Int32, tma_b: cute.CopyAtom,
-                  gB: cute.Tensor, sB: cute.Tensor, num_k_tiles: cutlass.Int32):
+                  gB: cute.Tensor, sB: cute.Tensor, n_tile: cutlass.Int32,
+                  n_tiles: cutlass.Int32, num_k_tiles: cutlass.Int32):
         """Producer warp, ragged M: each K tile of one work item takes `a_chunks` slots of the
         ring for the A chunks that hold the group's rows (a warp group multiplies only 64-row
         blocks that start below the group's end, and such a block lies in a loaded chunk), then
-        one for the B tile."""
+        one per B tile of its `n_tiles` N tiles from `n_tile`."""
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
@@ -685,10 +734,11 @@ class GroupedMatmul:
                 cute.copy(tma_a, tAgA[(None, chunk, k_tile)], tAsA[(None, producer.index)],
                           tma_bar_ptr=ab_pipeline.producer_get_barrier(producer))
                 producer.advance()
-            ab_pipeline.producer_acquire(producer)
-            cute.copy(tma_b, tBgB[(None, k_tile)], tBsB[(None, producer.index)],
-                      tma_bar_ptr=ab_pipeline.producer_get_barrier(producer))
-            producer.advance()
+            for n in cutlass.range(n_tiles, unroll=1):
+                ab_pipeline.producer_acquire(producer)
+                cute.copy(tma_b, tBgB[(None, n_tile + n, k_tile)], tBsB[(None, producer.index)],
+                          tma_bar_ptr=ab_pipeline.producer_get_barrier(producer))
+                producer.advance()
         return producer
 
     @cute.jit
@@ -759,46 +809,51 @@ class GroupedMatmul:
     @cute.jit
     def consume_rows(self, ab_pipeline, read, release, tiled_mma: cute.TiledMma,
                      tCrA: cute.Tensor, tCrB: cute.Tensor, accumulators,
-                     num_k_tiles: cutlass.Int32, a_chunks: cutlass.Int32,
+                     num_k_tiles: cutlass.Int32, a_chunks: cutlass.Int32, n_tiles: cutlass.Int32,
                      valid_rows: cutlass.Int32, first_row: cutlass.Int32):
-        """Consumer warp groups, ragged M: `accumulators[c]` (this warp group's block of chunk c)
-        `= sum over the item's K tiles`. A warp group issues WGMMAs only for its blocks (rows
-        `first_row + A_CHUNK_M * c`) that hold a row below `valid_rows`: the other rows are
-        never stored, so a group's last tile costs MMAs for its rows rounded up to 64. Both
-        warp groups wait for and release every slot of the item (the `a_chunks` A chunks and
-        the B tile of each K tile)."""
+        """Consumer warp groups, ragged M: `accumulators[i]` (this warp group's block of chunk i,
+        or of N tile i of a wide item) `= sum over the item's K tiles`. A warp group issues
+        WGMMAs only for its blocks (rows `first_row + A_CHUNK_M * c`) that hold a row below
+        `valid_rows`: the other rows are never stored, so a group's last tile costs MMAs for its
+        rows rounded up to 64. Both warp groups wait for and release every slot of the item (the
+        `a_chunks` A chunks and `n_tiles` B tiles of each K tile; an item of several N tiles has
+        one chunk)."""
         for acc in accumulators:
             acc.fill(0.0)
         blocks = cutlass.Int32(0)
         rows_left = valid_rows - first_row
         if rows_left > 0:
             blocks = cutlass.min(cute.ceil_div(rows_left, A_CHUNK_M), A_CHUNKS)
-        # A branch per block count: no WGMMA may sit under a branch whose count is not known
-        # at compile time (ptxas would serialise every WGMMA).
-        if blocks == 3:
-            read, release = self.multiply_rows(ab_pipeline, read, release, tiled_mma, tCrA,
-                                               tCrB, accumulators, num_k_tiles, a_chunks, 3)
+        # A branch per (blocks, N tiles): no WGMMA may sit under a branch whose count is not
+        # known at compile time (ptxas would serialise every WGMMA).
+        args = (ab_pipeline, read, release, tiled_mma, tCrA, tCrB, accumulators, num_k_tiles,
+                a_chunks, n_tiles)
+        if blocks == 0:
+            read, release = self.multiply_rows(*args, 0, 0)
+        elif n_tiles == 3:
+            read, release = self.multiply_rows(*args, 1, 3)
+        elif n_tiles == 2:
+            read, release = self.multiply_rows(*args, 1, 2)
+        elif blocks == 3:
+            read, release = self.multiply_rows(*args, 3, 1)
         elif blocks == 2:
-            read, release = self.multiply_rows(ab_pipeline, read, release, tiled_mma, tCrA,
-                                               tCrB, accumulators, num_k_tiles, a_chunks, 2)
-        elif blocks == 1:
-            read, release = self.multiply_rows(ab_pipeline, read, release, tiled_mma, tCrA,
-                                               tCrB, accumulators, num_k_tiles, a_chunks, 1)
+            read, release = self.multiply_rows(*args, 2, 1)
         else:
-            read, release = self.multiply_rows(ab_pipeline, read, release, tiled_mma, tCrA,
-                                               tCrB, accumulators, num_k_tiles, a_chunks, 0)
+            read, release = self.multiply_rows(*args, 1, 1)
         return read, release
 
     @cute.jit
     def multiply_rows(self, ab_pipeline, read, release, tiled_mma: cute.TiledMma,
                       tCrA: cute.Tensor, tCrB: cute.Tensor, accumulators,
-                      num_k_tiles: cutlass.Int32, a_chunks: cutlass.Int32,
-                      m_blocks: cutlass.Constexpr[int]):
+                      num_k_tiles: cutlass.Int32, a_chunks: cutlass.Int32, n_tiles: cutlass.Int32,
+                      m_blocks: cutlass.Constexpr[int], n_blocks: cutlass.Constexpr[int]):
         """The K loop of one warp group, ragged M: per K tile, wait for its slots (A chunks in
-        order, then B), WGMMAs into the accumulators of its first `m_blocks` chunks, and release
-        the previous K tile's slots once its WGMMAs are done."""
+        order, then the B tiles), WGMMAs of its first `m_blocks` chunks by the first `n_blocks`
+        B tiles (one of the two is 1) into accumulator `c * n_blocks + n`, and release the
+        previous K tile's slots once its WGMMAs are done."""
+        assert m_blocks <= 1 or n_blocks <= 1
         num_k_blocks = cute.size(tCrA, mode=[2])
-        slots = a_chunks + 1
+        slots = a_chunks + n_tiles
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
             first_slot = read.index
             for _ in cutlass.range(slots, unroll=1):
@@ -807,14 +862,15 @@ class GroupedMatmul:
             # A warp group without rows only passes the slots on: an empty WGMMA group would
             # still cost a dummy HGMMA and a wait.
             if cutlass.const_expr(m_blocks > 0):
-                b_slot = (first_slot + a_chunks) % self.num_stages
                 cute.nvgpu.warpgroup.fence()
                 for k_block in cutlass.range_constexpr(num_k_blocks):
                     for c in cutlass.range_constexpr(m_blocks):
                         a_slot = (first_slot + c) % self.num_stages
-                        cute.gemm(tiled_mma, accumulators[c],
-                                  tCrA[(None, None, k_block, a_slot)],
-                                  tCrB[(None, None, k_block, b_slot)], accumulators[c])
+                        for n in cutlass.range_constexpr(n_blocks):
+                            b_slot = (first_slot + a_chunks + n) % self.num_stages
+                            acc = accumulators[c * n_blocks + n]
+                            cute.gemm(tiled_mma, acc, tCrA[(None, None, k_block, a_slot)],
+                                      tCrB[(None, None, k_block, b_slot)], acc)
                 cute.nvgpu.warpgroup.commit_group()
                 # Keep one K tile of WGMMAs in flight: the one before it is done with its slots.
                 cute.nvgpu.warpgroup.wait_group(1)
