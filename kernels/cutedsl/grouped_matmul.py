@@ -8,10 +8,13 @@ Three exported kernels share one CTA program (`GroupedMatmul`):
   and per slot (ragged K), accumulated in fp32 and stored in bf16 for the local experts no replica
   contributes to, in fp32 for the others (partials that reduce_grad completes) and the slots.
 
-Ragged M: a tile table `[T, TABLE_COLUMNS] int32` (built on the device by kernels/grouped_matmul.cu)
-gives, per M tile, `(kind, row_start, row_end, mat)`: kind 0 multiplies rows `[row_start, row_end)`
-by `w_local[mat]`, kind 1 by `w_slots[mat]`, kind 2 writes zeros (rows past `cu_seqlens[-1]`). Its
-schedule row says how many of the T entries the plan uses (the rest are never read). A tile loads,
+Ragged M: a tile table `[T, TABLE_COLUMNS] int32` (built on the device by
+kernels/grouped_matmul.cu) gives, per M tile, `(kind, row_start, row_end, mat, first item, N tiles
+per item)`: kind 0 multiplies rows `[row_start, row_end)` by `w_local[mat]`, kind 1 by
+`w_slots[mat]`, kind 2 writes zeros (rows past `cu_seqlens[-1]`). Its schedule row says how many of
+the T entries the plan uses (the rest are never read) and how many work items they have. A tile's
+items are consecutive, from its first: each covers one N tile, or, in a tile whose group has at
+most one 128-row chunk of rows left, `WIDE_N_TILES` of them (a wide item, see below). A tile loads,
 with TMA, the 128-row chunks of its `TILE_M` rows from `row_start` that hold rows of its group (the
 last one also rows of the next group, or zeros past the end), and its stores are masked to
 `[row_start, row_end)`, so a tile only ever writes rows of its own group. Weights are never
@@ -45,51 +48,60 @@ loop per block count; an idle warp group only releases the stages), so a group's
 MMAs for its rows rounded up to 64.
 
 Ragged-M tiles are 384 x 128 (M x N; each consumer warp group owns one 64-row block of each of the
-three 128-row chunks, 192 fp32 accumulators per thread): a group of up to 384 rows is one M tile, so
-its weights stream from memory once per N tile. Ragged M stages its operands in a ring of 16 KB
+three 128-row chunks, 192 fp32 accumulators per thread): a group of up to 384 rows is one M tile,
+so its weights stream from memory once per N tile. Ragged M stages its operands in a ring of 16 KB
 slots (14 in the shared memory), each one 128 x 64 tile: an A chunk or the B tile. A K tile takes a
 slot per A chunk that holds rows of the group and one for B, so a tile of up to 128 rows keeps 7 K
-tiles in flight and a full one 3.5. With stages of a fixed 64 KB (3, A for 384 rows and B) a small
+tiles in flight (3.5 in its wide items, below) and a full one 3.5. With stages of a fixed 64 KB (3, A for 384 rows and B) a small
 group's tile filled each stage only to 32 KB and waited on memory latency: at high skew every extra
 tile cost ~19 us, half of what an average tile costs (bench_gemm, gate_up forward, fitted over the
 groupings), while the SMs stayed busy (ncu: active 96 % of the time at maxvio 0.2 and 20) and the
-tensor pipes fell from 81 % to 61 %. The ring against those stages (one H200, one call, R=2
-maxvio 20): gate_up forward 8.46 against 8.72 ms, dX 8.66 against 9.23; down forward 4.69 against
-4.87, dX 4.46 against 4.62; at maxvio 0.2 within the runs' spread. With 256-row tiles a real EP=2
-plan's ~340-row groups took a full and a partial tile that each streamed the weights; the partial
-tile, twice as fast through its MMAs, ran ahead of the full one, so both missed L2 (ncu, gate_up
-forward at the R=2 maxvio 1 plan: 29 GB read from DRAM for 11 GB of weights, L2 hit rate 27 %, 62 %
-of dense). Earlier, 128 x 256 tiles had taken two M tiles for the ~170-row groups of a 384-expert
-plan (bench_gemm gate_up forward at maxvio 0.2: 45 % of dense, 52 % with 256 x 128, 64-68 % once a
-warp group also skipped its empty 64-row blocks). dW tiles D0 by 256 (`DW_TILE_M`): its K is the
-group's rows, taken 32 at a time (`DW_TILE_K`, see there why), and its epilogue stages a bf16 tile
-in shared memory next to 6 pipeline stages. The two dW warp groups share every stage but not their
+tensor pipes fell from 81 % to 61 %. The ring against those stages (one H200, one call, R=2 maxvio
+20): gate_up forward 8.46 against 8.72 ms, dX 8.66 against 9.23; down forward 4.69 against 4.87, dX
+4.46 against 4.62; at maxvio 0.2 within the runs' spread. Still, a tile of up to 128 rows moved 2
+slots per K tile for at most 2 of its 64-row MMA blocks, a full one 4 for 6, and a model of each
+tile's time as the larger of its MMAs and its slots' bytes at ~48 B per clock and SM gave the split
+of ncu's K-loop stall samples over 3-, 2- and 1-chunk tiles of the down forward at R=2 maxvio 20
+(62 / 14 / 24 % against 62 / 15 / 23 %). So such a tile's items are wide: an item takes
+WIDE_N_TILES N tiles, and per K tile its one A chunk and a B tile per N tile, 4 slots for up to 6
+blocks, its N tiles' accumulators those of the chunks it does not have (ncu kernel times, one H100,
+the bench_gemm plans: the forward and dX at R=2 maxvio 1 / 10 / 20 0.3-4.8 % faster, summed over
+R=2 and R=8 1.6 %; at maxvio 0.2, 2 such tiles in 195, 0.7-1.1 % slower, which reading the search's
+table entries an item ahead did not recover). The producer locates an item's tile in the table by
+the entries' first items, a ballot over a warp of entries. With 256-row tiles a real EP=2 plan's
+~340-row groups took a full and a partial tile that each streamed the weights; the partial tile,
+twice as fast through its MMAs, ran ahead of the full one, so both missed L2 (ncu, gate_up forward
+at the R=2 maxvio 1 plan: 29 GB read from DRAM for 11 GB of weights, L2 hit rate 27 %, 62 % of
+dense). Earlier, 128 x 256 tiles had taken two M tiles for the ~170-row groups of a 384-expert plan
+(bench_gemm gate_up forward at maxvio 0.2: 45 % of dense, 52 % with 256 x 128, 64-68 % once a warp
+group also skipped its empty 64-row blocks). dW tiles D0 by 256 (`DW_TILE_M`): its K is the group's
+rows, taken 32 at a time (`DW_TILE_K`, see there why), and its epilogue stages a bf16 tile in
+shared memory next to 6 pipeline stages. The two dW warp groups share every stage but not their
 epilogues: each zeroes the K tail of the rows it reads and stores its own 64-row blocks (its own
 barriers and TMA-store warp), and warp group 1 runs `DW_LAG_K_TILES` K tiles behind warp group 0,
-so that one group's epilogue can overlap the other's last K tiles of an item (bench_gemm's
-dW groupings, A/B in both process orders: gate_up 1-4 % faster at R <= 2 and 1 % at R = 8, down
-within +-2 %). Tried and not kept: pingpong warp groups on 128 x 128 items of their own (17-25 %
-slower: a third more operand bytes per FLOP through L2, the kernel ran at the same ~6 TB/s from
-L2 either way), 256 x 192 or 256 x 160 tiles (fewer bytes per FLOP, fewer stages: within +-5 %),
-and, each within +-3 % summed over bench_gemm's dW groupings: 2-CTA clusters taking adjacent N
-tiles with the A tile multicast (a third fewer bytes from L2), 128 x 256 tiles of 64 x 256
-WGMMAs (a sixth fewer operand reads from shared memory), lags of 1 or 2 K tiles, 8 ring stages.
-At R = 2 the kernel is bound by no one of these streams: left without its WGMMAs it still takes
-78-90 % of its time, without its output stores 88-92 % (README, grouped GEMM). What it is bound
-by is each warp group's work per item, which only the other warp group's last DW_LAG_K_TILES K
-tiles of MMAs cover (ncu stall samples at R = 2: ~3,600 cycles per item of index arithmetic,
-K-tail zeroing, epilogue and accumulator zeroing, against ~2,800 of its own MMAs); so that work
-is kept short: the producer warp decodes the items (coordinates, the group's rows, where the sum
-goes) and hands them over decoded, the K tail is zeroed by a fixed set of predicated stores
-(`zero_columns`). Dealt with a grid stride instead of taken from the counter, dW's items left
-the most loaded CTA 2-4.5 % above the mean for down at maxvio >= 10 (a model of the items), and
-the consumers decoded each item themselves (ab_gemm, dW, one call, new/base/base/new, R = 2
-maxvio 0.2 / 1 / 10 / 20, R = 8 maxvio 1 / 20, R1 E192 maxvio 20: summed 1.5 % faster; at
-maxvio 20 4-11 % faster at every point, gate_up at R = 2 maxvio 0.2 / 1 1-6 % slower). Those
-slower points were the unused slots' items: taken from the counter, each still cost its CTA an
-atomic and a decode (R = 2: ~190 unused slots, half of the items); with the schedule listing only
-the matrices with work, the same A/B against that kernel: summed 3.4 % faster, every R = 2 call
-3-7 % faster, R = 8 and R = 1 (no slots) within -2 to +4 %.
+so that one group's epilogue can overlap the other's last K tiles of an item (bench_gemm's dW
+groupings, A/B in both process orders: gate_up 1-4 % faster at R <= 2 and 1 % at R = 8, down within
++-2 %). Tried and not kept: pingpong warp groups on 128 x 128 items of their own (17-25 % slower: a
+third more operand bytes per FLOP through L2, the kernel ran at the same ~6 TB/s from L2 either
+way), 256 x 192 or 256 x 160 tiles (fewer bytes per FLOP, fewer stages: within +-5 %), and, each
+within +-3 % summed over bench_gemm's dW groupings: 2-CTA clusters taking adjacent N tiles with the
+A tile multicast (a third fewer bytes from L2), 128 x 256 tiles of 64 x 256 WGMMAs (a sixth fewer
+operand reads from shared memory), lags of 1 or 2 K tiles, 8 ring stages. At R = 2 the kernel is
+bound by no one of these streams: left without its WGMMAs it still takes 78-90 % of its time,
+without its output stores 88-92 % (README, grouped GEMM). What it is bound by is each warp group's
+work per item, which only the other warp group's last DW_LAG_K_TILES K tiles of MMAs cover (ncu
+stall samples at R = 2: ~3,600 cycles per item of index arithmetic, K-tail zeroing, epilogue and
+accumulator zeroing, against ~2,800 of its own MMAs); so that work is kept short: the producer warp
+decodes the items (coordinates, the group's rows, where the sum goes) and hands them over decoded,
+the K tail is zeroed by a fixed set of predicated stores (`zero_columns`). Dealt with a grid stride
+instead of taken from the counter, dW's items left the most loaded CTA 2-4.5 % above the mean for
+down at maxvio >= 10 (a model of the items), and the consumers decoded each item themselves
+(ab_gemm, dW, one call, new/base/base/new, R = 2 maxvio 0.2 / 1 / 10 / 20, R = 8 maxvio 1 / 20, R1
+E192 maxvio 20: summed 1.5 % faster; at maxvio 20 4-11 % faster at every point, gate_up at R = 2
+maxvio 0.2 / 1 1-6 % slower). Those slower points were the unused slots' items: taken from the
+counter, each still cost its CTA an atomic and a decode (R = 2: ~190 unused slots, half of the
+items); with the schedule listing only the matrices with work, the same A/B against that kernel:
+summed 3.4 % faster, every R = 2 call 3-7 % faster, R = 8 and R = 1 (no slots) within -2 to +4 %.
 """
 
 import cuda.bindings.driver as cuda
