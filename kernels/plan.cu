@@ -22,13 +22,12 @@
 #include <climits>
 #include <vector>
 
+#include "kernels/ceil_div.h"
 #include "kernels/constants.h"
 #include "kernels/plan.h"
 
 namespace moonep {
 namespace {
-
-__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 constexpr int kCountThreads = 512;  // also the last CTA's threads for the balancing
 constexpr int kRouteThreads = 256;
