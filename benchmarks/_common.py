@@ -238,6 +238,73 @@ def plot_vs_maxvio(ax, points: list[dict], keep, ylabel: str, title: str) -> Non
     ax.legend()
 
 
+def find_ncu() -> str | None:
+    """Nsight Compute's `ncu`: on PATH, else where CUDA installs put it."""
+    import glob
+    import shutil
+
+    found = shutil.which("ncu")
+    if found:
+        return found
+    for pattern in ("/usr/local/cuda/bin/ncu", "/opt/nvidia/nsight-compute/*/ncu",
+                    "/usr/local/cuda-*/bin/ncu"):
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            return hits[-1]
+    return None
+
+
+# The one metric the benchmarks take from ncu: a kernel's GPU time, measured without replay (one
+# pass), with the clocks left as the GPU sets them (`--clock-control none`: ncu would otherwise
+# lock them at base, slower than the clocks of every timed run).
+NCU_TIME_ARGS = ("--metrics", "gpu__time_duration.sum", "--csv", "--clock-control", "none")
+_NCU_MS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0,
+           "s": 1e3, "second": 1e3}
+
+
+def run_under_ncu(ncu_args: list[str], argv: list[str], csv_path: pathlib.Path,
+                  timeout: float) -> tuple[int | None, str]:
+    """Runs `ncu NCU_TIME_ARGS ncu_args python argv` with its stdout (ncu's CSV, among what the
+    child prints) into `csv_path`; returns (exit code, or None past `timeout`; stderr). The child
+    gets its own process group, so that a timeout (or this process ending) also ends the profiled
+    python, instead of leaving it on the GPU."""
+    import signal
+    import sys
+
+    ncu = find_ncu()
+    if ncu is None:
+        raise FileNotFoundError("ncu not found (PATH, /usr/local/cuda/bin, "
+                                "/opt/nvidia/nsight-compute)")
+    cmd = [ncu, *NCU_TIME_ARGS, *ncu_args, sys.executable, *argv]
+    with open(csv_path, "w") as stdout:
+        child = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                 start_new_session=True)
+        try:
+            _, stderr = child.communicate(timeout=timeout)
+            return child.returncode, stderr
+        except subprocess.TimeoutExpired:
+            return None, ""
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+
+
+def ncu_kernel_times(csv_path: pathlib.Path) -> list[tuple[str, float]]:
+    """(kernel name, ms) of every launch in the CSV that `run_under_ncu` wrote, in launch order;
+    the child's own output lines in it are not CSV rows of ncu's header and are skipped."""
+    import csv
+
+    rows = [r for r in csv.reader(open(csv_path)) if len(r) > 10]
+    if not rows:
+        return []
+    header = rows[0]
+    name_i, value_i, unit_i = (header.index(c) for c in ("Kernel Name", "Metric Value",
+                                                          "Metric Unit"))
+    return [(r[name_i], float(r[value_i].replace(",", "")) * _NCU_MS[r[unit_i]])
+            for r in rows[1:] if r != header]
+
+
 def watchdog(seconds: float, on_expire) -> threading.Timer:
     """A started daemon timer calling `on_expire` after `seconds` unless cancelled: a hung
     collective cannot be cancelled, so the callback records the hang and exits the process."""

@@ -11,6 +11,11 @@ orders, new-base-base-new, since the second process of a pair runs a few % slowe
         --groupings "R2 maxvio 0.2,R1 E192 maxvio 20" --out DIR
     python benchmarks/ab_gemm.py compare DIR/ab_gemm_*.json
 
+`run --ncu` runs itself (the same arguments without --ncu) under Nsight Compute, with only the
+GEMM kernels profiled, and puts each call's kernel times (gpu__time_duration.sum, the warm-up
+launch dropped) in place of the wall times: ncu's per-kernel times are what an A/B of a few %
+needs, since wall times carry the launch overhead and the host's noise.
+
 Groupings are bench_gemm's labels, planned as bench_gemm plans them: taken from the `plans` of a
 bench_gemm record (`--plans`, default this GPU's record in benchmarks/results), or planned here
 for `--cpu-smoke` (a tiny shape on CPU, XLA stand-ins for the kernels: it tests the script).
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import signal
 import sys
 
 import jax
@@ -32,6 +38,9 @@ import bench_gemm  # noqa: E402
 import plan_groupings  # noqa: E402
 
 KINDS = ("fwd", "dx", "dw")
+# The one kernel each kind's call launches that `--ncu` profiles (the rest, the schedule's table
+# kernel, is not the GEMM under test): the names of the CuTe DSL kernels' methods.
+GEMM_KERNELS = {"fwd": "rows_kernel", "dx": "rows_kernel", "dw": "weight_grad_kernel"}
 
 
 def groupings(args, shape: dict, tile_m: int) -> list[dict]:
@@ -81,8 +90,54 @@ def run(args) -> None:
             del w_local, w_slots
     record = {"schema": "moonep_jax.ab_gemm/1", **_common.provenance(), "tag": args.tag,
               "index": args.index, "reps": args.reps, "cpu_smoke": args.cpu_smoke,
+              "timing": "wall clock of each call until ready, after one warm-up call",
               "gpu_clocks_method": _common.CLOCKS_METHOD, "results": results}
     _common.write_json(args.out / f"ab_gemm_{args.tag}_{args.index}.json", record)
+
+
+def run_under_ncu(args, argv: list[str]) -> None:
+    """`run` (argv without --ncu) under ncu; its record's times become the kernels' times."""
+    # `tools/gpu.sh`'s timeout sends SIGTERM: exit through `run_under_ncu`'s cleanup, which ends
+    # the profiled process group instead of leaving it on the GPU.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"ab_gemm_{args.tag}_{args.index}"
+    csv_path = args.out / f"{stem}_ncu.csv"
+    kernels = "|".join(sorted({GEMM_KERNELS[k] for k in args.kinds}))
+    child = [str(pathlib.Path(__file__).resolve()), *(a for a in argv if a != "--ncu")]
+    returncode, stderr = _common.run_under_ncu(["--kernel-name", f"regex:{kernels}"], child,
+                                               csv_path, args.ncu_timeout)
+    # The child's own output went into the CSV with ncu's rows: show it here.
+    print("".join(line for line in open(csv_path) if not line.startswith('"')), end="")
+    if returncode != 0:
+        raise SystemExit(f"ab_gemm --ncu: ncu exited {returncode} (None: past --ncu-timeout "
+                         f"{args.ncu_timeout:.0f} s); its stderr ends:\n{stderr[-1500:]}")
+    path = args.out / f"{stem}.json"
+    record = with_kernel_times(json.loads(path.read_text()), _common.ncu_kernel_times(csv_path))
+    _common.write_json(path, record)
+
+
+def with_kernel_times(record: dict, launches: list[tuple[str, float]]) -> dict:
+    """`record` (a `run` under ncu) with each call's `median_ms` and `times_ms` the kernel's
+    times: the calls launched their kernels in the record's order, one warm-up and `reps` timed
+    launches each, so call i owns launches [i·(reps + 1), (i + 1)·(reps + 1))."""
+    per_call = record["reps"] + 1
+    if len(launches) != per_call * len(record["results"]):
+        raise SystemExit(f"ab_gemm --ncu: {len(launches)} GEMM kernel launches profiled, expected "
+                         f"{len(record['results'])} calls x (1 warm-up + {record['reps']} reps)")
+    results = []
+    for i, res in enumerate(record["results"]):
+        own = launches[i * per_call:(i + 1) * per_call]
+        wrong = {name for name, _ in own if GEMM_KERNELS[res["kind"]] not in name}
+        if wrong:
+            raise SystemExit(f"ab_gemm --ncu: call {i} ({res['kind']}) launched {sorted(wrong)}, "
+                             f"not its {GEMM_KERNELS[res['kind']]}")
+        times = [ms for _, ms in own[1:]]
+        results.append({**res, "median_ms": float(np.median(times)), "times_ms": times,
+                        "wall_times_ms_under_ncu": res["times_ms"]})
+    return {**record, "results": results,
+            "timing": "ncu gpu__time_duration.sum of the GEMM kernel (--clock-control none), "
+                      "the warm-up launch dropped"}
 
 
 def compare(paths: list[pathlib.Path]) -> str:
@@ -128,14 +183,24 @@ def main(argv=None) -> None:
                    help="a bench_gemm record whose plans to use")
     r.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, XLA stand-ins")
     r.add_argument("--out", type=pathlib.Path, required=True)
+    r.add_argument("--ncu", action="store_true",
+                   help="time the GEMM kernels under Nsight Compute instead of wall clock")
+    r.add_argument("--ncu-timeout", type=float, default=280.0,
+                   help="seconds the profiled run may take")
     c = sub.add_parser("compare", help="compare the runs' JSON files")
     c.add_argument("paths", nargs="+", type=pathlib.Path)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command == "run":
         unknown = set(args.kinds) - set(KINDS)
         if unknown:
             parser.error(f"--kinds: {sorted(unknown)} not among {KINDS}")
-        run(args)
+        if args.ncu and args.cpu_smoke:
+            parser.error("--ncu profiles the CUDA kernels: not with --cpu-smoke")
+        if args.ncu:
+            run_under_ncu(args, argv)
+        else:
+            run(args)
     else:
         print(compare(args.paths))
 

@@ -444,21 +444,6 @@ COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,
                         "--xla_gpu_graph_min_graph_size=1")
 
 
-def find_ncu() -> str | None:
-    import glob
-    import shutil
-
-    found = shutil.which("ncu")
-    if found:
-        return found
-    for pattern in ("/usr/local/cuda/bin/ncu", "/opt/nvidia/nsight-compute/*/ncu",
-                    "/usr/local/cuda-*/bin/ncu"):
-        hits = sorted(glob.glob(pattern))
-        if hits:
-            return hits[-1]
-    return None
-
-
 def nvtx_push_pop():
     """`(push(name), pop(), source)`: CuPy's NVTX (the verified recipe), else libnvToolsExt."""
     try:
@@ -558,11 +543,9 @@ def run_ncu(args, shape: Shape, out_dir: pathlib.Path, stem: str) -> dict:
     one inside the NVTX range "step"), as shared/examples/profile_layer/run_ncu.sh does, and folds
     the per-kernel times (gpu__time_duration.sum) into NCU_CATEGORIES. Runs before this process
     touches the GPU (XLA's preallocation would leave the child no memory)."""
-    import csv
     import re
-    import subprocess
 
-    ncu = find_ncu()
+    ncu = _common.find_ncu()
     result = {"maxvio_target": args.ncu_maxvio, "categories_by": "re.search of NCU_CATEGORIES on "
               "the kernel name, first match", "categories_regex": dict(NCU_CATEGORIES)}
     if ncu is None:
@@ -570,46 +553,23 @@ def run_ncu(args, shape: Shape, out_dir: pathlib.Path, stem: str) -> dict:
                                     "/opt/nvidia/nsight-compute)"}
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / f"{stem}_ncu.csv"
-    cmd = [ncu, "--nvtx", "--nvtx-include", "step/", "--metrics", "gpu__time_duration.sum",
-           "--csv", "--clock-control", "none", sys.executable, str(pathlib.Path(__file__).resolve()),
-           "--ncu-child", "--ncu-maxvio", str(args.ncu_maxvio)] + (["--quick"] if args.quick
-                                                                   else [])
-    result.update(ncu=ncu, command=" ".join(cmd), csv=str(csv_path))
+    ncu_args = ["--nvtx", "--nvtx-include", "step/"]
+    argv = [str(pathlib.Path(__file__).resolve()), "--ncu-child", "--ncu-maxvio",
+            str(args.ncu_maxvio)] + (["--quick"] if args.quick else [])
+    result.update(ncu=ncu, command=" ".join([ncu, *_common.NCU_TIME_ARGS, *ncu_args, *argv]),
+                  csv=str(csv_path))
     t0 = time.perf_counter()
     print(f"ncu: one step at maxvio {args.ncu_maxvio} (up to {args.ncu_timeout:.0f} s)", flush=True)
-    import signal
-
-    # Its own process group, so that a timeout (or this process ending) also ends the profiled
-    # python that ncu starts, instead of leaving it on the GPU.
-    with open(csv_path, "w") as stdout:
-        child = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True,
-                                 start_new_session=True)
-        try:
-            _, stderr = child.communicate(timeout=args.ncu_timeout)
-        except subprocess.TimeoutExpired:
-            stderr = None
-        finally:
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+    returncode, stderr = _common.run_under_ncu(ncu_args, argv, csv_path, args.ncu_timeout)
     result["seconds"] = time.perf_counter() - t0
-    if stderr is None:
+    if returncode is None:
         return {**result, "status": f"failed: ncu run over {args.ncu_timeout:.0f} s"}
     result["stderr_tail"] = stderr[-1500:]
-    rows = [r for r in csv.reader(open(csv_path)) if len(r) > 10]
-    if child.returncode != 0 or not rows:
-        return {**result, "status": f"failed: ncu rc {child.returncode}, {len(rows)} CSV rows"}
-    header = rows[0]
-    name_i, value_i, unit_i = (header.index(c) for c in ("Kernel Name", "Metric Value",
-                                                          "Metric Unit"))
-    scale = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0,
-             "s": 1e3, "second": 1e3}
+    launches = _common.ncu_kernel_times(csv_path)
+    if returncode != 0 or not launches:
+        return {**result, "status": f"failed: ncu rc {returncode}, {len(launches)} launches"}
     per_name: dict[str, list] = {}
-    launches = []
-    for r in rows[1:]:
-        ms = float(r[value_i].replace(",", "")) * scale.get(r[unit_i], 1e-6)
-        name = r[name_i]
-        launches.append((name, ms))
+    for name, ms in launches:
         entry = per_name.setdefault(name, [0, 0.0])
         entry[0] += 1
         entry[1] += ms

@@ -11,6 +11,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -79,3 +80,53 @@ def test_gpu_sh_ab_variants_times_new_and_each_variant_both_ways(tmp_path):
     log = (out / "ab.log").read_text()
     assert "lag2: abc overrides DW_LAG_K_TILES=2" in log
     assert any(line.startswith("sum") and line.rstrip().endswith("%") for line in log.splitlines())
+
+
+def _ncu_csv(path: Path, launches: list[tuple[str, float]], child_lines: list[str]) -> None:
+    """An ncu `--csv --metrics gpu__time_duration.sum` stdout: the profiled process's own lines
+    among ncu's rows, times in ns."""
+    header = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream",
+              "Block Size", "Grid Size", "Device", "CC", "Section Name", "Metric Name",
+              "Metric Unit", "Metric Value"]
+    lines = ["==PROF== Connected to process 1 (python3)", *child_lines[:1],
+             ",".join(f'"{c}"' for c in header)]
+    for i, (name, ms) in enumerate(launches):
+        row = [str(i), "1", "python3", "127.0.0.1", name, "1", "7", "(384, 1, 1)", "(132, 1, 1)",
+               "0", "9.0", "Command line profiler metrics", "gpu__time_duration.sum", "ns",
+               f"{ms * 1e6:,.0f}"]
+        lines.append(",".join(f'"{c}"' for c in row))
+    path.write_text("\n".join(lines + child_lines[1:]) + "\n")
+
+
+def test_ncu_kernel_times_map_to_the_calls_in_order_without_the_warm_up(tmp_path):
+    import ab_gemm
+    import _common
+
+    rng = np.random.default_rng()
+    reps = 3
+    calls = [("gate_up", "fwd"), ("gate_up", "dw"), ("down", "dx")]
+    times = rng.uniform(0.1, 2.0, (len(calls), reps + 1)).round(6)
+    launches = [(f"kernel_cutlass_GroupedGemm_{ab_gemm.GEMM_KERNELS[kind]}_0", float(ms))
+                for (_, kind), row in zip(calls, times) for ms in row]
+    csv_path = tmp_path / "run_ncu.csv"
+    _ncu_csv(csv_path, launches, ["new gate_up fwd R2 maxvio 1  9.9 ms", "done"])
+    parsed = _common.ncu_kernel_times(csv_path)
+    assert [n for n, _ in parsed] == [n for n, _ in launches]
+    np.testing.assert_allclose([ms for _, ms in parsed], times.ravel(), rtol=0, atol=1e-9)
+
+    wall = rng.uniform(5, 9, (len(calls), reps)).tolist()
+    record = {"reps": reps, "results": [
+        {"proj": p, "kind": k, "grouping": "R2 maxvio 1", "median_ms": float(np.median(w)),
+         "times_ms": w} for (p, k), w in zip(calls, wall)]}
+    timed = ab_gemm.with_kernel_times(record, parsed)
+    for res, row, w in zip(timed["results"], times, wall):
+        np.testing.assert_allclose(res["times_ms"], row[1:], rtol=0, atol=1e-9)
+        assert res["median_ms"] == pytest.approx(np.median(row[1:]), abs=1e-9)
+        assert res["wall_times_ms_under_ncu"] == w
+    assert "ncu" in timed["timing"]
+
+    with pytest.raises(SystemExit, match="expected 3 calls x"):
+        ab_gemm.with_kernel_times(record, parsed[:-1])
+    swapped = parsed[reps + 1:2 * (reps + 1)] + parsed[:reps + 1] + parsed[2 * (reps + 1):]
+    with pytest.raises(SystemExit, match=r"call 0 \(fwd\) launched"):
+        ab_gemm.with_kernel_times(record, swapped)

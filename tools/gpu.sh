@@ -17,6 +17,8 @@
 #   bash tools/gpu.sh ab-variants ARGS # there, carry [".gpu", ".gpu_variants"]: ab_gemm.py run
 #                                      # ARGS with .gpu ("new") and every variant, in that order
 #                                      # and then reversed, then their comparison
+#                                      # (ab and ab-variants: ARGS with --ncu time the GEMM
+#                                      # kernels under ncu instead of the wall clock)
 #
 # `run` writes under $OUT (the device tool's folder that comes back, at most 8 files):
 # gpu_tests.log (environment + pytest), benchmarks.log, and each benchmark's JSON record (+ PNG)
