@@ -265,29 +265,33 @@ _NCU_MS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, 
 def run_under_ncu(ncu_args: list[str], argv: list[str], csv_path: pathlib.Path,
                   timeout: float) -> tuple[int | None, str]:
     """Runs `ncu NCU_TIME_ARGS ncu_args python argv` with its stdout (ncu's CSV, among what the
-    child prints) into `csv_path`; returns (exit code, or None past `timeout`; stderr). The child
-    gets its own process group, so that a timeout (or this process ending) also ends the profiled
-    python, instead of leaving it on the GPU."""
+    child prints) into `csv_path`; returns (exit code, or None past `timeout`; stderr). ncu gets
+    its own process group, which is killed once ncu returns, whatever it returned: the profiled
+    python can outlive ncu (ncu's launcher hands it to init; an ab_gemm run that failed on an
+    out-of-memory error held 73 GB of an H100 until killed), and a timeout or this process ending
+    must not leave it on the GPU either."""
     import signal
     import sys
+    import tempfile
 
     ncu = find_ncu()
     if ncu is None:
         raise FileNotFoundError("ncu not found (PATH, /usr/local/cuda/bin, "
                                 "/opt/nvidia/nsight-compute)")
     cmd = [ncu, *NCU_TIME_ARGS, *ncu_args, sys.executable, *argv]
-    with open(csv_path, "w") as stdout:
-        child = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True,
-                                 start_new_session=True)
+    # Files, not pipes: a process left behind holding a pipe would keep it open past ncu's exit.
+    with open(csv_path, "w") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        child = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, start_new_session=True)
         try:
-            _, stderr = child.communicate(timeout=timeout)
-            return child.returncode, stderr
+            child.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             return None, ""
         finally:
-            if child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+            child.wait()
+        stderr.seek(0)
+        return child.returncode, stderr.read()
 
 
 def ncu_kernel_times(csv_path: pathlib.Path) -> list[tuple[str, float]]:

@@ -109,9 +109,12 @@ def run_under_ncu(args, argv: list[str]) -> None:
                                                csv_path, args.ncu_timeout)
     # The child's own output went into the CSV with ncu's rows: show it here.
     print("".join(line for line in open(csv_path) if not line.startswith('"')), end="")
+    if returncode is None:
+        raise SystemExit(f"ab_gemm --ncu: the profiled run took over --ncu-timeout "
+                         f"{args.ncu_timeout:.0f} s")
     if returncode != 0:
-        raise SystemExit(f"ab_gemm --ncu: ncu exited {returncode} (None: past --ncu-timeout "
-                         f"{args.ncu_timeout:.0f} s); its stderr ends:\n{stderr[-1500:]}")
+        raise SystemExit(f"ab_gemm --ncu: ncu exited {returncode}; its stderr ends:\n"
+                         f"{stderr[-1500:]}")
     path = args.out / f"{stem}.json"
     record = with_kernel_times(json.loads(path.read_text()), _common.ncu_kernel_times(csv_path))
     _common.write_json(path, record)

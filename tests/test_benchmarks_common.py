@@ -1,9 +1,12 @@
-"""benchmarks/_common.py's round-robin timing: the order of the calls and a failing set."""
+"""benchmarks/_common.py: the round-robin timing (the order of the calls, a failing set), the GPU
+clock sampler, and the ncu runner's cleanup."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -98,3 +101,35 @@ def test_gpu_clocks_off_a_gpu_says_so():
     with _common.gpu_clocks() as clocks:
         pass
     assert clocks == {"status": "not on a GPU"}
+
+
+def test_run_under_ncu_kills_the_profiled_process_that_outlives_ncu(tmp_path, monkeypatch):
+    """A stand-in `ncu` that starts its "profiled" process in the background and exits at once,
+    as ncu can when its launcher hands the application to init: the process is gone when
+    `run_under_ncu` returns, and ncu's stdout (the CSV) and exit code come back."""
+    pid_file = tmp_path / "profiled.pid"
+    fake = tmp_path / "ncu"
+    fake.write_text(f"#!/bin/bash\nsleep 300 &\necho $! > {pid_file}\n"
+                    'echo \'"ID","Kernel Name"\'\nexit 3\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert _common.find_ncu() == str(fake)
+    csv_path = tmp_path / "out.csv"
+    returncode, _ = _common.run_under_ncu([], ["-c", "pass"], csv_path, timeout=60)
+    assert returncode == 3 and '"Kernel Name"' in csv_path.read_text()
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _running(pid):
+        os.kill(pid, 9)
+        raise AssertionError("the profiled process outlived run_under_ncu")
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (killed, not yet reaped by init)."""
+    stat = pathlib.Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
