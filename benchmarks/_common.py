@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import csv
 import datetime
+import glob
 import json
 import os
 import pathlib
+import shutil
+import signal
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -240,9 +246,6 @@ def plot_vs_maxvio(ax, points: list[dict], keep, ylabel: str, title: str) -> Non
 
 def find_ncu() -> str | None:
     """Nsight Compute's `ncu`: on PATH, else where CUDA installs put it."""
-    import glob
-    import shutil
-
     found = shutil.which("ncu")
     if found:
         return found
@@ -262,26 +265,26 @@ _NCU_MS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, 
            "s": 1e3, "second": 1e3}
 
 
-def run_under_ncu(ncu_args: list[str], argv: list[str], csv_path: pathlib.Path,
-                  timeout: float) -> tuple[int | None, str]:
-    """Runs `ncu NCU_TIME_ARGS ncu_args python argv` with its stdout (ncu's CSV, among what the
-    child prints) into `csv_path`; returns (exit code, or None past `timeout`; stderr). ncu gets
-    its own process group, which is killed once ncu returns, whatever it returned: the profiled
-    python can outlive ncu (ncu's launcher hands it to init; an ab_gemm run that failed on an
-    out-of-memory error held 73 GB of an H100 until killed), and a timeout or this process ending
-    must not leave it on the GPU either."""
-    import signal
-    import sys
-    import tempfile
-
+def ncu_command(ncu_args: list[str], argv: list[str]) -> list[str]:
+    """`ncu NCU_TIME_ARGS ncu_args python argv`; FileNotFoundError where there is no ncu."""
     ncu = find_ncu()
     if ncu is None:
         raise FileNotFoundError("ncu not found (PATH, /usr/local/cuda/bin, "
                                 "/opt/nvidia/nsight-compute)")
-    cmd = [ncu, *NCU_TIME_ARGS, *ncu_args, sys.executable, *argv]
+    return [ncu, *NCU_TIME_ARGS, *ncu_args, sys.executable, *argv]
+
+
+def run_under_ncu(command: list[str], csv_path: pathlib.Path,
+                  timeout: float) -> tuple[int | None, str]:
+    """Runs `command` (`ncu_command`) with its stdout (ncu's CSV, among what the profiled python
+    prints) into `csv_path`; returns (exit code, or None past `timeout`; stderr). ncu gets its own
+    process group, which is killed once ncu returns, whatever it returned: the profiled python can
+    outlive ncu (ncu's launcher hands it to init; an ab_gemm run that failed on an out-of-memory
+    error held 73 GB of an H100 until killed), and a timeout or this process ending must not
+    leave it on the GPU either."""
     # Files, not pipes: a process left behind holding a pipe would keep it open past ncu's exit.
     with open(csv_path, "w") as stdout, tempfile.TemporaryFile("w+") as stderr:
-        child = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, start_new_session=True)
+        child = subprocess.Popen(command, stdout=stdout, stderr=stderr, start_new_session=True)
         try:
             child.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -297,8 +300,6 @@ def run_under_ncu(ncu_args: list[str], argv: list[str], csv_path: pathlib.Path,
 def ncu_kernel_times(csv_path: pathlib.Path) -> list[tuple[str, float]]:
     """(kernel name, ms) of every launch in the CSV that `run_under_ncu` wrote, in launch order;
     the child's own output lines in it are not CSV rows of ncu's header and are skipped."""
-    import csv
-
     rows = [r for r in csv.reader(open(csv_path)) if len(r) > 10]
     if not rows:
         return []

@@ -95,7 +95,7 @@ def run(args) -> None:
     _common.write_json(args.out / f"ab_gemm_{args.tag}_{args.index}.json", record)
 
 
-def run_under_ncu(args, argv: list[str]) -> None:
+def run_profiled(args, argv: list[str]) -> None:
     """`run` (argv without --ncu) under ncu; its record's times become the kernels' times."""
     # `tools/gpu.sh`'s timeout sends SIGTERM: exit through `run_under_ncu`'s cleanup, which ends
     # the profiled process group instead of leaving it on the GPU.
@@ -105,8 +105,11 @@ def run_under_ncu(args, argv: list[str]) -> None:
     csv_path = args.out / f"{stem}_ncu.csv"
     kernels = "|".join(sorted({GEMM_KERNELS[k] for k in args.kinds}))
     child = [str(pathlib.Path(__file__).resolve()), *(a for a in argv if a != "--ncu")]
-    returncode, stderr = _common.run_under_ncu(["--kernel-name", f"regex:{kernels}"], child,
-                                               csv_path, args.ncu_timeout)
+    try:
+        command = _common.ncu_command(["--kernel-name", f"regex:{kernels}"], child)
+    except FileNotFoundError as e:
+        raise SystemExit(f"ab_gemm --ncu: {e}") from None
+    returncode, stderr = _common.run_under_ncu(command, csv_path, args.ncu_timeout)
     # The child's own output went into the CSV with ncu's rows: show it here.
     print("".join(line for line in open(csv_path) if not line.startswith('"')), end="")
     if returncode is None:
@@ -201,7 +204,7 @@ def main(argv=None) -> None:
         if args.ncu and args.cpu_smoke:
             parser.error("--ncu profiles the CUDA kernels: not with --cpu-smoke")
         if args.ncu:
-            run_under_ncu(args, argv)
+            run_profiled(args, argv)
         else:
             run(args)
     else:

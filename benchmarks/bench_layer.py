@@ -545,22 +545,20 @@ def run_ncu(args, shape: Shape, out_dir: pathlib.Path, stem: str) -> dict:
     touches the GPU (XLA's preallocation would leave the child no memory)."""
     import re
 
-    ncu = _common.find_ncu()
     result = {"maxvio_target": args.ncu_maxvio, "categories_by": "re.search of NCU_CATEGORIES on "
               "the kernel name, first match", "categories_regex": dict(NCU_CATEGORIES)}
-    if ncu is None:
-        return {**result, "status": "skipped: ncu not found (PATH, /usr/local/cuda/bin, "
-                                    "/opt/nvidia/nsight-compute)"}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    csv_path = out_dir / f"{stem}_ncu.csv"
-    ncu_args = ["--nvtx", "--nvtx-include", "step/"]
     argv = [str(pathlib.Path(__file__).resolve()), "--ncu-child", "--ncu-maxvio",
             str(args.ncu_maxvio)] + (["--quick"] if args.quick else [])
-    result.update(ncu=ncu, command=" ".join([ncu, *_common.NCU_TIME_ARGS, *ncu_args, *argv]),
-                  csv=str(csv_path))
+    try:
+        command = _common.ncu_command(["--nvtx", "--nvtx-include", "step/"], argv)
+    except FileNotFoundError as e:
+        return {**result, "status": f"skipped: {e}"}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = out_dir / f"{stem}_ncu.csv"
+    result.update(ncu=command[0], command=" ".join(command), csv=str(csv_path))
     t0 = time.perf_counter()
     print(f"ncu: one step at maxvio {args.ncu_maxvio} (up to {args.ncu_timeout:.0f} s)", flush=True)
-    returncode, stderr = _common.run_under_ncu(ncu_args, argv, csv_path, args.ncu_timeout)
+    returncode, stderr = _common.run_under_ncu(command, csv_path, args.ncu_timeout)
     result["seconds"] = time.perf_counter() - t0
     if returncode is None:
         return {**result, "status": f"failed: ncu run over {args.ncu_timeout:.0f} s"}

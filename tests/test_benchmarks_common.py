@@ -115,7 +115,9 @@ def test_run_under_ncu_kills_the_profiled_process_that_outlives_ncu(tmp_path, mo
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     assert _common.find_ncu() == str(fake)
     csv_path = tmp_path / "out.csv"
-    returncode, _ = _common.run_under_ncu([], ["-c", "pass"], csv_path, timeout=60)
+    command = _common.ncu_command([], ["-c", "pass"])
+    assert command[0] == str(fake) and command[-3:] == [sys.executable, "-c", "pass"]
+    returncode, _ = _common.run_under_ncu(command, csv_path, timeout=60)
     assert returncode == 3 and '"Kernel Name"' in csv_path.read_text()
     pid = int(pid_file.read_text())
     deadline = time.monotonic() + 10
