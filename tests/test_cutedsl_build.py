@@ -141,3 +141,14 @@ def test_an_override_recompiles_only_the_kernels_that_read_it(aot_dir, tmp_path)
     for prefix in _exported_prefixes():
         same = (tmp_path / f"{prefix}.o").read_bytes() == (aot_dir / f"{prefix}.o").read_bytes()
         assert same == (prefix != "moonep_grouped_matmul_dw"), prefix
+
+
+def test_a_register_split_the_cta_cannot_give_fails_the_build(tmp_path):
+    """setmaxnreg moves registers within one CTA's pool: consumers asking for more than the
+    producer warp group gives back would wait forever on the GPU (32 / 240 did), so the build
+    refuses such a split and names the constants."""
+    proc = subprocess.run([sys.executable, str(CUTEDSL_DIR / "build_aot.py"), "--out",
+                           str(tmp_path), "--arch", "sm_90a", "--override", "CONSUMER_REGS=240"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "PRODUCER_REGS / CONSUMER_REGS" in proc.stderr and "168 a thread" in proc.stderr
