@@ -153,11 +153,12 @@ WARPS_PER_GROUP = THREADS_PER_GROUP // cute.arch.WARP_SIZE
 CONSUMER_GROUPS = 2
 NUM_CONSUMER_THREADS = CONSUMER_GROUPS * THREADS_PER_GROUP
 # Registers per thread of the producer and the consumer warp groups after setmaxnreg. The CTA
-# starts with 65536 / 384 threads, rounded down to 8 (168 each), and the consumers can only take
+# starts with REGISTERS_PER_SM / 384 threads, rounded down to 8 (168 each), and the consumers can only take
 # what the producer warp group gives back (a pool per CTA: a split of 32 / 240, 1024 registers
 # more than the CTA has, made the consumers' setmaxnreg wait forever), so the split must keep
 # 128 * producer + 256 * consumer <= 384 * 168 (`GroupedMatmul` checks it).
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
+REGISTERS_PER_SM = 65536
 # Named barriers (0 is __syncthreads): dW's consumer warp group g synchronises its own threads on
 # FIRST_GROUP_BARRIER + g; warp group 1 waits on LAG_BARRIER for warp group 0's head start.
 FIRST_GROUP_BARRIER, LAG_BARRIER = 1, 3
@@ -212,7 +213,7 @@ class GroupedMatmul:
     def __init__(self):
         self.atom_layout_mnk = (2, 1, 1)  # two consumer warp groups, alternate 64-row blocks
         self.num_threads = THREADS_PER_GROUP + NUM_CONSUMER_THREADS
-        launch_regs = 65536 // self.num_threads // 8 * 8  # per thread: the CTA's pool
+        launch_regs = REGISTERS_PER_SM // self.num_threads // 8 * 8  # a thread's share of the pool
         assert (THREADS_PER_GROUP * PRODUCER_REGS + NUM_CONSUMER_THREADS * CONSUMER_REGS
                 <= self.num_threads * launch_regs), (
             f"PRODUCER_REGS / CONSUMER_REGS: the consumers would wait forever for registers the "
