@@ -300,7 +300,8 @@ def run_under_ncu(command: list[str], csv_path: pathlib.Path,
 def ncu_kernel_times(csv_path: pathlib.Path) -> list[tuple[str, float]]:
     """(kernel name, ms) of every launch in the CSV that `run_under_ncu` wrote, in launch order;
     the child's own output lines in it are not CSV rows of ncu's header and are skipped."""
-    rows = [r for r in csv.reader(open(csv_path)) if len(r) > 10]
+    with open(csv_path) as f:
+        rows = [r for r in csv.reader(f) if len(r) > 10]
     if not rows:
         return []
     header = rows[0]

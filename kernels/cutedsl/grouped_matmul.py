@@ -153,10 +153,10 @@ WARPS_PER_GROUP = THREADS_PER_GROUP // cute.arch.WARP_SIZE
 CONSUMER_GROUPS = 2
 NUM_CONSUMER_THREADS = CONSUMER_GROUPS * THREADS_PER_GROUP
 # Registers per thread of the producer and the consumer warp groups after setmaxnreg. The CTA
-# starts with REGISTERS_PER_SM / 384 threads, rounded down to 8 (168 each), and the consumers can only take
-# what the producer warp group gives back (a pool per CTA: a split of 32 / 240, 1024 registers
-# more than the CTA has, made the consumers' setmaxnreg wait forever), so the split must keep
-# 128 * producer + 256 * consumer <= 384 * 168 (`GroupedMatmul` checks it).
+# starts with REGISTERS_PER_SM / 384 threads, rounded down to 8 (168 each), and the consumers can
+# only take what the producer warp group gives back (a pool per CTA: a split of 32 / 240, 1024
+# registers more than the CTA has, made the consumers' setmaxnreg wait forever), so the split must
+# keep 128 * producer + 256 * consumer <= 384 * 168 (`GroupedMatmul` checks it).
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
 REGISTERS_PER_SM = 65536
 # Named barriers (0 is __syncthreads): dW's consumer warp group g synchronises its own threads on
