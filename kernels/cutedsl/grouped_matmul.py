@@ -1137,7 +1137,10 @@ def _compile_rows(options: str, weight_stride_order):
     w_local = _bf16((_aligned_dim(), _aligned_dim(), _dim()), weight_stride_order)
     w_slots = _bf16((_aligned_dim(), _aligned_dim(), _dim()), weight_stride_order)
     c = _bf16((_dim(), _aligned_dim()), (1, 0))
-    schedule = make_fake_compact_tensor(cutlass.Int32, (TABLE_COLUMNS,), assumed_align=16)
+    # The schedule is the row after the table's max_tiles rows of TABLE_COLUMNS int32, so it is
+    # aligned to its int32 only: asserting 16 bytes would let the compiler load adjacent columns
+    # as one vector, a misaligned address whenever max_tiles is odd.
+    schedule = make_fake_compact_tensor(cutlass.Int32, (TABLE_COLUMNS,), assumed_align=4)
     return cute.compile(gemm.rows, a, w_local, w_slots, c, _table(), schedule, cutlass.Int32(1),
                         make_fake_stream(), options=options)
 
