@@ -68,7 +68,11 @@ blocks, its N tiles' accumulators those of the chunks it does not have (ncu kern
 the bench_gemm plans: the forward and dX at R=2 maxvio 1 / 10 / 20 0.3-4.8 % faster, summed over
 R=2 and R=8 1.6 %; at maxvio 0.2, 2 such tiles in 195, 0.7-1.1 % slower, which reading the search's
 table entries an item ahead did not recover). The producer locates an item's tile in the table by
-the entries' first items, a ballot over a warp of entries. With 256-row tiles a real EP=2 plan's
+the entries' first items, a ballot over a warp of entries. The items are taken group by group;
+dealing the single-tile groups' items evenly between the larger groups' instead, so that their
+weight streams would overlap the full tiles' MMAs (a model of the items predicted 2 % at maxvio
+20), was slower at every point (ab_gemm, one H200, new/base/base/new, R=2 maxvio 10 / 20: forward
+and dX 0.3-2.6 %, summed 1.1 %). With 256-row tiles a real EP=2 plan's
 ~340-row groups took a full and a partial tile that each streamed the weights; the partial tile,
 twice as fast through its MMAs, ran ahead of the full one, so both missed L2 (ncu, gate_up forward
 at the R=2 maxvio 1 plan: 29 GB read from DRAM for 11 GB of weights, L2 hit rate 27 %, 62 % of
