@@ -25,6 +25,9 @@ launching and waiting for one jitted call to ~2.4 us per call (at 10, the earlie
 planner's 30 us read 51-57). Bandwidth is reported three ways per rank (the slowest rank):
 S*K*H*2/t, remote bytes/t (entries whose destination is another rank) and deduplicated remote
 bytes/t (one row per (token, remote destination rank), what dispatch and combine send).
+Each run first measures its GPU's copy rate (`copy_ceiling`, recorded), and each moonep op's
+result gives the time of its bytes at that rate (`hbm_floor_ms`) and its own time in multiples of
+it (`x_hbm_floor`): the byte floor of the communication targets, in the same run.
 
 Writes `<out>/bench_dispatch_<gpu>x<count>.json` (and a PNG plot when matplotlib is importable).
 `--quick` runs a tiny shape (CPU smoke test; on CPU only the xla path and all_to_all run).
@@ -366,6 +369,49 @@ def hbm_rates(moved: dict, times_ms: list[float]) -> dict:
             "hbm_gbps_all_ranks": sum(total) / (max(times_ms) * 1e-3) / 1e9}
 
 
+def copy_passes(iters: int):
+    """jit: `iters` passes over a uint32 buffer, each reading it and writing it plus one, kept
+    apart by optimization barriers (one kernel each), unrolled."""
+
+    def passes(buffer):
+        step = lambda _, b: lax.optimization_barrier(b + jnp.uint32(1))  # noqa: E731
+        return lax.fori_loop(0, iters, step, buffer, unroll=True)
+
+    return jax.jit(passes)
+
+
+def copy_ceiling(device, nbytes: int, iters: int, reps: int) -> dict:
+    """What `device`'s memory moves, measured in this run: the ceiling of the HBM figures (a large
+    device-to-device copy, bytes read plus bytes written; the datasheet's rate is a lead, not a
+    ceiling). `iters` passes over one uint32 buffer of `nbytes`, each reading it and writing it
+    back plus one, an optimization barrier between passes (so that XLA neither fuses nor folds
+    them), unrolled in one program; median of `reps` runs after a warm-up."""
+    words = nbytes // 4
+    fill = jax.jit(lambda: jnp.arange(words, dtype=jnp.uint32),
+                   out_shardings=jax.sharding.SingleDeviceSharding(device))
+    times = time_loop(copy_passes(iters), (fill(),), iters, reps)
+    moved = 2 * words * 4
+    median = float(np.median(times))
+    return {"method": " ".join(copy_ceiling.__doc__.split()), "bytes_per_pass": moved,
+            "times_ms": times, "median_ms": median, "gbps": moved / (median * 1e-3) / 1e9}
+
+
+def ceiling_bytes(cfg: moonep_jax.EPConfig) -> int:
+    """The copy ceiling's buffer: a rank's receive rows (what dispatch writes), so that it is
+    several times the L2 at the record shape."""
+    return cfg.nvs * cfg.hidden * 2
+
+
+def hbm_floor(moved: dict, t_ms: float, ceiling_gbps: float, ranks_per_gpu: int) -> dict:
+    """An op's time `t_ms` against the time of its bytes at the measured copy rate
+    (`copy_ceiling`): `hbm_floor_ms` is the busiest GPU's bytes (every rank's read + written,
+    summed over the `ranks_per_gpu` consecutive ranks that share a GPU) over the ceiling, and
+    `x_hbm_floor` the op's time in multiples of it."""
+    total = np.add(moved["read"], moved["written"]).reshape(-1, ranks_per_gpu).sum(axis=1)
+    floor_ms = float(total.max() / (ceiling_gbps * 1e9) * 1e3)
+    return {"hbm_floor_ms": floor_ms, "x_hbm_floor": t_ms / floor_ms}
+
+
 def bandwidths(t_ms: float, row_bytes: int, cfg, rows: dict) -> dict:
     seconds = t_ms * 1e-3
     return {
@@ -426,7 +472,8 @@ def plan_bytes_per_rank(p, R: int) -> int:
     return sum(leaf.nbytes for leaf in jax.tree.leaves(p)) // R
 
 
-def run_point(mesh, cfgs: dict, maxvio: float, args, methods: list[str], on_point) -> dict:
+def run_point(mesh, cfgs: dict, maxvio: float, args, methods: list[str], ceiling_gbps: float,
+              on_point) -> dict:
     cfg = cfgs["xla"]
     R, H = cfg.num_ranks, cfg.hidden
     topk_idx, sigma, realised = global_routing(cfg, maxvio)
@@ -452,10 +499,13 @@ def run_point(mesh, cfgs: dict, maxvio: float, args, methods: list[str], on_poin
             result.update(bandwidths(result["median_ms"], row_bytes, cfg, rows))
         if result["status"] == "ok" and result["method"].startswith("moonep"):
             result.update(hbm_rates(moved[op], [result["median_ms"]] * R))
+            result.update(hbm_floor(moved[op], result["median_ms"], ceiling_gbps, 1))
         point["results"].append(result)
         on_point(point)
         outcome = (f"{result['median_ms']:9.3f} ms" if result["status"] == "ok"
                    else result["status"])
+        if "x_hbm_floor" in result:
+            outcome += f" ({result['x_hbm_floor']:.2f}x its bytes' HBM time)"
         print(f"maxvio {maxvio:5.1f} {op:8s} {result['method']:15s} {outcome}", flush=True)
 
     for impl in ("cuda", "xla"):
@@ -562,6 +612,15 @@ def run_ranks(args) -> None:
     if first:
         print(f"bench_dispatch --processes {R}: {record['process_layout']}, shape {shape}, "
               f"{impl}\n  NOTE: {record['timing_note']}", flush=True)
+    # Process 0 measures its GPU's copy rate while the others wait: on one shared GPU no rank may
+    # run beside it, and over one GPU each, the GPUs are alike.
+    barrier()
+    if first:
+        record["copy_ceiling"] = copy_ceiling(jax.local_devices()[0], ceiling_bytes(cfg),
+                                              args.iters, args.reps)
+        print(f"copy ceiling: {record['copy_ceiling']['gbps']:.0f} GB/s", flush=True)
+    barrier()
+    ranks_per_gpu = R if _processes.my_placement() == "one_gpu" else 1
     x, topk_w, y = _processes.draw_on_rank(mesh, rank, lambda key: rank_payloads(key, cfg))
     weights = _processes.draw_on_rank(mesh, rank, lambda key: draw_weights(key, cfg, cfg.epn))
     token = _processes.put(mesh, np.zeros(R, np.float32))
@@ -599,11 +658,14 @@ def run_ranks(args) -> None:
             if op in ("dispatch", "combine"):
                 result.update(bandwidths(result["median_ms"], row_bytes, cfg, rows))
             result.update(hbm_rates(moved[op], result["median_ms_per_rank"]))
+            result.update(hbm_floor(moved[op], result["median_ms"],
+                                    record["copy_ceiling"]["gbps"], ranks_per_gpu))
             point["results"].append(result)
             print(f"maxvio {maxvio:5.1f} {op:8s} {method}: max over ranks "
                   f"{result['median_ms']:9.3f} ms (per rank "
                   f"{', '.join(f'{t:.3f}' for t in result['median_ms_per_rank'])}); HBM "
-                  f"{result['hbm_gbps_all_ranks']:.0f} GB/s, all ranks together", flush=True)
+                  f"{result['hbm_gbps_all_ranks']:.0f} GB/s, all ranks together, "
+                  f"{result['x_hbm_floor']:.2f}x their HBM time", flush=True)
         record["points"].append(point)
         _common.write_json(path, record)
     if first:
@@ -669,8 +731,12 @@ def main():
             record["points"].append(point)
         path.write_text(json.dumps(record, indent=1))
 
+    record["copy_ceiling"] = copy_ceiling(devices[0], ceiling_bytes(cfgs["xla"]), args.iters,
+                                          args.reps)
+    print(f"copy ceiling of {devices[0].device_kind}: {record['copy_ceiling']['gbps']:.0f} GB/s",
+          flush=True)
     for maxvio in MAXVIOS:
-        run_point(mesh, cfgs, maxvio, args, methods, write)
+        run_point(mesh, cfgs, maxvio, args, methods, record["copy_ceiling"]["gbps"], write)
     write()
     plot(record, args.out / f"{stem}.png")
     print(f"wrote {path}")

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -52,6 +53,9 @@ def test_bench_dispatch_two_processes_on_cpu(tmp_path):
     record = _run("bench_dispatch", tmp_path)
     _check_per_rank(record, ops=4)
     assert {"all_to_all_pad", "ragged_a2a", "moonep_cuda"} <= set(record["skipped_methods"])
+    ceiling = record["copy_ceiling"]
+    assert ceiling["bytes_per_pass"] > 0 and len(ceiling["times_ms"]) == record["reps"]
+    assert np.isclose(ceiling["gbps"], ceiling["bytes_per_pass"] / ceiling["median_ms"] / 1e6)
     for point in record["points"]:
         assert point["ranks"] == [0, 1]
         for op in ("plan", "dispatch", "combine"):
@@ -91,6 +95,12 @@ def test_bench_dispatch_two_processes_on_cpu(tmp_path):
             assert all(2 * s <= e and s <= p for s, p, e in zip(shared, primaries, entries))
         for result in point["results"]:
             assert len(result["hbm_gbps_per_rank"]) == 2 and result["hbm_gbps_all_ranks"] > 0
+            # Each rank on a CPU device of its own: the floor is the busiest rank's bytes at the
+            # copy rate that process 0 measured.
+            moved = point["hbm_bytes"][result["op"]]
+            busiest = max(r + w for r, w in zip(moved["read"], moved["written"]))
+            assert np.isclose(result["hbm_floor_ms"], busiest / (ceiling["gbps"] * 1e6))
+            assert np.isclose(result["x_hbm_floor"], result["median_ms"] / result["hbm_floor_ms"])
 
 
 def test_bench_layer_two_processes_on_cpu(tmp_path):
