@@ -90,3 +90,24 @@ def test_gpu_build_uses_the_cmake_next_to_the_python_and_checks_its_version(tmp_
     done = run_gpu_build(python)
     assert done.returncode != 0
     assert f"{cmake} is cmake 3.25.1; CMakeLists.txt needs >= 3.26" in done.stderr
+
+
+def test_gpu_run_passes_a_k_expression_whole(tmp_path):
+    """GPU_TEST_K reaches both pytest runs as one -k argument, spaces and all."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    calls = tmp_path / "calls"
+    # python3 and nvidia-smi stand-ins: each call appends its arguments, one per line, and a
+    # separator.
+    for name in ("python3", "nvidia-smi"):
+        (stubs / name).write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" ---- >> "{calls}"\n')
+        (stubs / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               GPU_TEST_K="grouped or not moe_ffn")
+    done = subprocess.run(["bash", str(REPO / "tools" / "gpu.sh"), "run"], capture_output=True,
+                          text=True, env=env, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    runs = [c.splitlines() for c in calls.read_text().split("----\n") if "pytest" in c]
+    assert len(runs) == 2  # single-process and multi-process
+    for args in runs:
+        assert args[args.index("-k") + 1] == "grouped or not moe_ffn"

@@ -24,7 +24,9 @@
 # gpu_tests.log (environment + pytest), benchmarks.log, and each benchmark's JSON record (+ PNG)
 # (benchmarks/<name>.py --out $OUT).
 # GPU_TEST_ARGS / GPU_MP_TEST_ARGS narrow the single- / multi-process test runs (setting only
-# GPU_TEST_ARGS skips the multi-process run).
+# GPU_TEST_ARGS skips the multi-process run); they are split on spaces, so a pytest -k expression
+# goes in GPU_TEST_K instead, passed whole to both runs (a quoted `-k 'a or b'` in GPU_TEST_ARGS
+# reached pytest as four words and selected nothing).
 # BENCH names are benchmark scripts without .py (bench_dispatch, bench_gemm, bench_layer) and may
 # carry arguments after a colon: bench_dispatch:--quick. GPU_STOP_ON_FAIL=1 skips the benchmarks
 # when a test failed (a kernel under test that hangs would otherwise hang every benchmark too).
@@ -172,10 +174,12 @@ ab_variants() {
   AB_ARGS=("$@"); ab_runs "${order[@]}" "${reversed[@]}"
 }
 
-# run_pytest TIMEOUT ARGS...: pytest under a timeout, appended to gpu_tests.log; selecting no
-# test (exit 5, e.g. GPU_TEST_ARGS naming only multi-process tests) is not a failure.
+# run_pytest TIMEOUT ARGS...: pytest (with -k "$GPU_TEST_K" when set) under a timeout, appended
+# to gpu_tests.log; selecting no test (exit 5, e.g. GPU_TEST_ARGS naming only multi-process
+# tests) is not a failure.
 run_pytest() {
   local limit=$1; shift
+  [ -n "${GPU_TEST_K:-}" ] && set -- -k "$GPU_TEST_K" "$@"
   timeout "$limit" python3 -m pytest -v -rs --tb=short "$@" 2>&1 | tee -a "$OUT/gpu_tests.log"
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] || [ "$rc" = 5 ]
