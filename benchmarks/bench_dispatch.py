@@ -360,13 +360,18 @@ def byte_count_methods() -> dict:
     return {f"{fn.__name__}_method": " ".join(fn.__doc__.split()) for fn in (hbm_bytes, link_bytes)}
 
 
+def bytes_per_rank(moved: dict) -> np.ndarray:
+    """Each rank's HBM bytes of one op (`hbm_bytes`' entry for it): read + written."""
+    return np.add(moved["read"], moved["written"])
+
+
 def hbm_rates(moved: dict, times_ms: list[float]) -> dict:
     """GB/s of one op: each rank's bytes (read + written) over its own time, and all ranks'
     bytes over the slowest rank's time (what one GPU's HBM carried when the ranks share it; over
     one GPU per rank, the sum over the GPUs, a peer's reads counted as the reader's)."""
-    total = [r + w for r, w in zip(moved["read"], moved["written"])]
-    return {"hbm_gbps_per_rank": [b / (t * 1e-3) / 1e9 for b, t in zip(total, times_ms)],
-            "hbm_gbps_all_ranks": sum(total) / (max(times_ms) * 1e-3) / 1e9}
+    total = bytes_per_rank(moved)
+    return {"hbm_gbps_per_rank": [float(b / (t * 1e-3) / 1e9) for b, t in zip(total, times_ms)],
+            "hbm_gbps_all_ranks": float(total.sum() / (max(times_ms) * 1e-3) / 1e9)}
 
 
 def copy_passes(iters: int):
@@ -407,7 +412,7 @@ def hbm_floor(moved: dict, t_ms: float, ceiling_gbps: float, ranks_per_gpu: int)
     (`copy_ceiling`): `hbm_floor_ms` is the busiest GPU's bytes (every rank's read + written,
     summed over the `ranks_per_gpu` consecutive ranks that share a GPU) over the ceiling, and
     `x_hbm_floor` the op's time in multiples of it."""
-    total = np.add(moved["read"], moved["written"]).reshape(-1, ranks_per_gpu).sum(axis=1)
+    total = bytes_per_rank(moved).reshape(-1, ranks_per_gpu).sum(axis=1)
     floor_ms = float(total.max() / (ceiling_gbps * 1e9) * 1e3)
     return {"hbm_floor_ms": floor_ms, "x_hbm_floor": t_ms / floor_ms}
 
