@@ -16,6 +16,11 @@ GEMM kernels profiled, and puts each call's kernel times (gpu__time_duration.sum
 launch dropped) in place of the wall times: ncu's per-kernel times are what an A/B of a few %
 needs, since wall times carry the launch overhead and the host's noise.
 
+`run --orders` times each grouping also with its local groups reordered (`ORDERS`): the tile
+table follows group order, so this measures without a kernel change what the order in which the
+CTAs meet small groups (a whole expert's weights streamed for a few rows) and large ones (bound by
+their MMAs) is worth. Each group's weights are drawn alike, so only the order changes.
+
 Groupings are bench_gemm's labels, planned as bench_gemm plans them: taken from the `plans` of a
 bench_gemm record (`--plans`, default this GPU's record in benchmarks/results), or planned here
 for `--cpu-smoke` (a tiny shape on CPU, XLA stand-ins for the kernels: it tests the script).
@@ -43,8 +48,9 @@ KINDS = ("fwd", "dx", "dw")
 GEMM_KERNELS = {"fwd": "rows_kernel", "dx": "rows_kernel", "dw": "weight_grad_kernel"}
 
 
-def groupings(args, shape: dict, tile_m: int) -> list[dict]:
-    """bench_gemm's groupings of the requested labels, in bench_gemm's order."""
+def groupings(args, shape: dict, tile_m: int, chunk_m: int) -> list[dict]:
+    """bench_gemm's groupings of the requested labels, in bench_gemm's order, each in every one
+    of `--orders`."""
     if args.cpu_smoke:
         plans = plan_groupings.compute(((2, bench_gemm.E),), (0.2, 20.0), shape["S"])
     else:
@@ -57,18 +63,53 @@ def groupings(args, shape: dict, tile_m: int) -> list[dict]:
     if missing:
         raise SystemExit(f"ab_gemm: --groupings {sorted(missing)} are not bench_gemm groupings "
                          f"of these plans")
-    return found
+    return [reordered(g, order, tile_m, chunk_m) for g in found for order in args.orders]
+
+
+# `--orders`: the local groups' orders (module docstring).
+ORDERS = ("plan", "interleave", "small_first", "small_last")
+
+
+def reordered(g: dict, order: str, tile_m: int, chunk_m: int) -> dict:
+    """Grouping `g` with its local groups' sizes in `order`: `plan` as planned; `interleave` the
+    groups of at most `chunk_m` rows (one A chunk: wide items only) spread evenly between the
+    others by their tiles; `small_first` / `small_last` those groups before / after all others."""
+    if order == "plan":
+        return g
+    sizes = np.array(g["sizes"])
+    first = g["rank"] * g["epn"]
+    local = sizes[first:first + g["epn"]]
+    small = [int(v) for v in local if 0 < v <= chunk_m]
+    large = [int(v) for v in local if v > chunk_m]
+    empty = [0] * int(np.sum(local == 0))
+    if order == "small_first":
+        ordered = small + large
+    elif order == "small_last":
+        ordered = large + small
+    else:
+        # small group k goes before the large group whose tiles hold (k + 1/2) / len(small) of
+        # all the large groups' tiles
+        ends = np.cumsum([-(-v // tile_m) for v in large])
+        share = (np.arange(len(small)) + 0.5) / max(len(small), 1) * (ends[-1] if large else 0)
+        before = np.searchsorted(ends, share, side="right")
+        ordered = [v for i, big in enumerate(large + [None])
+                   for v in [s for s, b in zip(small, before) if b == i] + [big] if v is not None]
+    sizes[first:first + g["epn"]] = ordered + empty
+    return {**g, "label": f"{g['label']} [{order}]", "sizes": sizes}
 
 
 def run(args) -> None:
     shape = bench_gemm.CPU_SMOKE if args.cpu_smoke else bench_gemm.FULL
     if args.cpu_smoke:
         gemm = bench_gemm.XlaStandIns
+        chunk_m = gemm.tile_m() // 2  # the stand-ins have no A chunks: any bound tests --orders
     else:
+        from moonep_jax import _ffi
         from moonep_jax._cuda import grouped_matmul as gemm
+        chunk_m = _ffi.lib().GROUPED_MATMUL_CHUNK_M
     h, f = shape["H"], shape["F"]
     m = shape["S"] * plan_groupings.K
-    selected = groupings(args, shape, gemm.tile_m())
+    selected = groupings(args, shape, gemm.tile_m(), chunk_m)
     results = []
     for pi, (proj, (d0, d1)) in enumerate(bench_gemm.projection_shapes(h, f).items()):
         for epn in sorted({g["epn"] for g in selected}, reverse=True):
@@ -184,6 +225,9 @@ def main(argv=None) -> None:
                    help=f"comma-separated, of {','.join(KINDS)}")
     r.add_argument("--groupings", type=lambda s: s.split(","), required=True,
                    help="comma-separated bench_gemm labels, e.g. 'R2 maxvio 0.2,R8 maxvio 1'")
+    r.add_argument("--orders", type=lambda s: s.split(","), default=["plan"],
+                   help=f"comma-separated, of {','.join(ORDERS)}: each grouping's local groups "
+                        "in these orders (diagnostic)")
     r.add_argument("--reps", type=int, default=10)
     r.add_argument("--plans", type=pathlib.Path, default=None,
                    help="a bench_gemm record whose plans to use")
@@ -201,6 +245,9 @@ def main(argv=None) -> None:
         unknown = set(args.kinds) - set(KINDS)
         if unknown:
             parser.error(f"--kinds: {sorted(unknown)} not among {KINDS}")
+        unknown = set(args.orders) - set(ORDERS)
+        if unknown:
+            parser.error(f"--orders: {sorted(unknown)} not among {ORDERS}")
         if args.ncu and args.cpu_smoke:
             parser.error("--ncu profiles the CUDA kernels: not with --cpu-smoke")
         if args.ncu:

@@ -130,3 +130,45 @@ def test_ncu_kernel_times_map_to_the_calls_in_order_without_the_warm_up(tmp_path
     swapped = parsed[reps + 1:2 * (reps + 1)] + parsed[:reps + 1] + parsed[2 * (reps + 1):]
     with pytest.raises(SystemExit, match=r"call 0 \(fwd\) launched"):
         ab_gemm.with_kernel_times(record, swapped)
+
+
+@pytest.mark.parametrize("order", ["interleave", "small_first", "small_last"])
+def test_orders_permute_the_local_groups_and_place_the_small_ones(order):
+    """`--orders`: the same sizes, only the local groups' permuted (slots and other ranks'
+    groups in place); small groups (at most one chunk of rows) keep their order among
+    themselves, as do the others, and sit first, last, or spread between the others' tiles."""
+    import ab_gemm
+
+    rng = np.random.default_rng()
+    epn, rank, tile_m, chunk_m = 40, 1, 384, 128
+    sizes = np.zeros(2 * epn + epn, np.int64)
+    local = np.where(rng.random(epn) < 0.5, rng.integers(1, chunk_m + 1, epn),
+                     rng.integers(chunk_m + 1, 4 * tile_m, epn))
+    local[rng.choice(epn, 3, replace=False)] = 0
+    sizes[rank * epn:(rank + 1) * epn] = local
+    sizes[2 * epn + 5] = 77
+    g = {"label": "R2 maxvio 20", "sizes": sizes, "rank": rank, "epn": epn}
+    out = ab_gemm.reordered(g, order, tile_m, chunk_m)
+    assert out["label"] == f"R2 maxvio 20 [{order}]"
+    moved = out["sizes"][rank * epn:(rank + 1) * epn]
+    np.testing.assert_array_equal(np.delete(out["sizes"], np.s_[rank * epn:(rank + 1) * epn]),
+                                  np.delete(sizes, np.s_[rank * epn:(rank + 1) * epn]))
+    is_small = lambda v: 0 < v <= chunk_m  # noqa: E731
+    assert sorted(moved) == sorted(local)
+    for cls in (is_small, lambda v: v > chunk_m):
+        assert [v for v in moved if cls(v)] == [v for v in local if cls(v)]
+    kinds = "".join("s" if is_small(v) else "L" for v in moved if v)
+    small, large = kinds.count("s"), kinds.count("L")
+    if order == "small_first":
+        assert kinds == "s" * small + "L" * large
+    elif order == "small_last":
+        assert kinds == "L" * large + "s" * small
+    else:  # between the large groups' tiles: each gap holds the small groups its tiles call for
+        tiles = [-(-v // tile_m) for v in moved if v > chunk_m]
+        gaps = [len(run) for run in kinds.split("L")]
+        assert sum(gaps) == small and len(gaps) == large + 1 and gaps[-1] == 0
+        ends = np.cumsum(tiles)
+        for i, gap in enumerate(gaps[:-1]):
+            lo, hi = (ends[i - 1] if i else 0), ends[i]
+            expect = sum(lo <= (k + 0.5) / small * ends[-1] < hi for k in range(small))
+            assert gap == expect
