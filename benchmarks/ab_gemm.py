@@ -92,8 +92,8 @@ def reordered(g: dict, order: str, tile_m: int, chunk_m: int) -> dict:
         ends = np.cumsum([-(-v // tile_m) for v in large])
         share = (np.arange(len(small)) + 0.5) / max(len(small), 1) * (ends[-1] if large else 0)
         before = np.searchsorted(ends, share, side="right")
-        ordered = [v for i, big in enumerate(large + [None])
-                   for v in [s for s, b in zip(small, before) if b == i] + [big] if v is not None]
+        ordered = [v for i, big in enumerate(large)
+                   for v in [s for s, b in zip(small, before) if b == i] + [big]] or small
     sizes[first:first + g["epn"]] = ordered + empty
     return {**g, "label": f"{g['label']} [{order}]", "sizes": sizes}
 
