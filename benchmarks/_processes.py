@@ -10,9 +10,10 @@ key-value store before every repetition (so that no rank starts a repetition whi
 still in the previous one), and process 0 gathers every rank's results through the same store
 and writes the record.
 
-Only moonep_jax's ops are timed here: XLA's GPU collectives (NCCL) refuse two ranks on one GPU,
-and over one GPU per rank the baselines run in the benchmark's single-process mode (one process
-driving the same GPUs), so they are recorded as skipped.
+Baselines that need XLA's own collectives between the ranks run only where those work: over one
+GPU per rank (NCCL) and on CPU (gloo), not when the ranks share one GPU (NCCL refuses two ranks on
+one device); each benchmark says which of its baselines it times here (`collectives_work`,
+`skipped_methods`).
 """
 
 from __future__ import annotations
@@ -39,9 +40,14 @@ CPU_ONLY = ("N processes on the CPU backend (gloo), implementation 'xla': a harn
 ONE_GPU_EACH = ("one process per GPU: the ranks reach each other's buffers over the GPUs' peer "
                 "link (NVLink on an H100/H200 node) through their peer mappings (CUDA IPC of the "
                 "transport areas, VMM of the XLA pools)")
-NCCL_REFUSES = ("left out of --processes, which times the moonep ops only: XLA's GPU collectives "
-                "(NCCL) refuse two ranks on one GPU, and over one GPU per rank the baselines run "
-                "in the single-process benchmark (one process driving the same GPUs)")
+NCCL_REFUSES = ("left out when the ranks share one GPU: XLA's GPU collectives (NCCL) refuse two "
+                "ranks on one GPU")
+BASELINES_ELSEWHERE = ("left out of --processes, which times the moonep ops only: XLA's GPU "
+                       "collectives (NCCL) refuse two ranks on one GPU, and over one GPU per rank "
+                       "the baselines run in the single-process benchmark (one process driving the "
+                       "same GPUs)")
+XLA_REFERENCE_ELSEWHERE = ("the xla reference is timed next to the CUDA ops by the single-process "
+                           "benchmark only")
 # How the parent placed the ranks, for the ranks' records: one of PLACEMENTS.
 PLACEMENT_ENV = "MOONEP_BENCH_PLACEMENT"
 PLACEMENTS = ("cpu", "one_gpu", "gpu_each")
@@ -49,8 +55,8 @@ PLACEMENTS = ("cpu", "one_gpu", "gpu_each")
 # bootstrap), split N ways when N ranks share one GPU; the rest is left for the CUDA contexts
 # (and the MPS server).
 GPU_MEMORY_SHARE = 0.9
-# Bounds: the whole job stays under tools/gpu.sh's GPU_BENCH_TIMEOUT (300 s); one wait for peers
-# covers a peer's compile.
+# Bounds: a job stays under tools/gpu.sh's GPU_BENCH_TIMEOUT (300 s by default) unless its
+# benchmark asks for more (`spawn`'s timeout_s); one wait for peers covers a peer's compile.
 JOB_TIMEOUT_S = 280.0
 WAIT_S = 120.0
 # The ranks' CUDA waits for each other (CudaOptions.timeout_s, 10 s by default): ranks sharing one
@@ -80,15 +86,15 @@ def described(n: int, where: str) -> dict:
     }[where]
 
 
-def spawn(script: str, entry: str, n: int, args) -> None:
+def spawn(script: str, entry: str, n: int, args, timeout_s: float = JOB_TIMEOUT_S) -> None:
     """Runs `entry(args)` of the file `script` in `n` processes (one EP rank each, placed by
     `placement`) and waits for them; raises `launch.LaunchError` when one fails (the others are
-    then killed) or after JOB_TIMEOUT_S. Their output goes to this process's stdout."""
+    then killed) or after `timeout_s`. Their output goes to this process's stdout."""
     jax.config.update("jax_platforms", "cpu")  # the parent never takes the ranks' GPU memory
     where = placement(n)
     target = f"{pathlib.Path(script).resolve()}:{entry}"
     print(f"spawning {described(n, where)['process_layout']}", flush=True)
-    run = functools.partial(launch.run, target, n, (args,), timeout_s=JOB_TIMEOUT_S,
+    run = functools.partial(launch.run, target, n, (args,), timeout_s=timeout_s,
                             stream_output=True)
     placed = {PLACEMENT_ENV: where}
     if where == "cpu":
@@ -129,14 +135,24 @@ def implementation() -> str:
     return "cuda" if jax.default_backend() == "gpu" else "xla"
 
 
-def skipped_methods(baselines: tuple[str, ...]) -> dict:
-    """Why each method that `--processes` leaves out is left out."""
-    skipped = {name: NCCL_REFUSES for name in baselines}
+def collectives_work(where: str | None = None) -> bool:
+    """Whether XLA's own collectives (a baseline's all_to_all, a global loss's all-reduce) can run
+    between ranks placed `where` (one of PLACEMENTS; this job's by default): over one GPU each
+    (NCCL) and on CPU (gloo), not on one shared GPU."""
+    return (where or my_placement()) != "one_gpu"
+
+
+def untimed_implementation() -> dict:
+    """The moe_ffn implementation that the ranks do not time, and why."""
     if implementation() == "cuda":
-        skipped["moonep_xla"] = NCCL_REFUSES
-    else:
-        skipped["moonep_cuda"] = "needs the CUDA extension and a GPU"
-    return skipped
+        return {"moonep_xla": XLA_REFERENCE_ELSEWHERE}
+    return {"moonep_cuda": "needs the CUDA extension and a GPU"}
+
+
+def skipped_methods(baselines: tuple[str, ...], reason: str) -> dict:
+    """Why each method that `--processes` leaves out is left out: `baselines` for `reason`, and
+    the moe_ffn implementation that the ranks do not time."""
+    return {**{name: reason for name in baselines}, **untimed_implementation()}
 
 
 def my_rank(mesh: jax.sharding.Mesh) -> int:

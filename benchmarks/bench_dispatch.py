@@ -600,7 +600,8 @@ def run_ranks(args) -> None:
     impl = _processes.implementation()
     shape = quick_shape(R) if args.quick else RECORD
     cfg = config(shape, R, impl, cuda=_processes.cuda_options())
-    method, skipped = f"moonep_{impl}", _processes.skipped_methods(("all_to_all_pad", "ragged_a2a"))
+    method, skipped = f"moonep_{impl}", _processes.skipped_methods(
+        ("all_to_all_pad", "ragged_a2a"), _processes.BASELINES_ELSEWHERE)
     steps = dict(zip(OPS, (*moonep_steps(cfg), prefetch_step(cfg))))
     loops = {op: looped(step, mesh, args.iters) for op, step in steps.items()}
     planner, compiled = per_rank(lambda idx: plan(idx, cfg), mesh), {}  # compiled once

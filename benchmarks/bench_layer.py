@@ -53,14 +53,16 @@ CPU smoke test (implementation xla, E=16).
 `--processes N`: one EP rank per process (benchmarks/_processes.py), N local processes: one GPU
 each on a host with N or more GPUs, at RECORD; else all sharing GPU 0 under MPS, at PROCESS_SHAPE
 (S=4096, H=7168, K=8, E=128, F=2048: the record shape's buffers would not fit N ranks on one GPU);
-maxvio 1 and 20, --reps 5. Only moonep_jax's fwd+bwd is timed (the baselines are recorded as
-skipped: they need XLA's NCCL collectives, which refuse two ranks on one GPU, and over one GPU
-per rank they run in the single-process mode; on CPU the xla implementation stands in, a harness
-check), each rank's step a `jax.vjp` pullback of its own d_out inside the shard_map (the same
-gradients without XLA's all-reduce of a global loss). Each rank times its own steps; process 0
-writes `bench_layer_<gpu>x<gpus>_<N>proc[_mps].json` (to --out, else benchmarks/results) with
-every rank's times and the max over ranks. Sharing one GPU these are NOT NVLink figures: all
-ranks share its SMs and HBM.
+maxvio 1 and 20, --reps 5. With a GPU per rank (NCCL) and on CPU (gloo; the xla implementation
+stands in, a harness check) the baselines a2a_pad_gmm and ragged_a2a_dot run too, every method
+with the single-process mode's step, one method after another (--skip leaves one out; the job's
+bound grows by their budgets: run it under GPU_BENCH_TIMEOUT=420). Sharing one GPU only moe_ffn
+runs (XLA's NCCL collectives refuse two ranks on one GPU), each rank's step a `jax.vjp` pullback
+of its own d_out inside the shard_map (the same gradients without XLA's all-reduce of a global
+loss). Each rank times its own steps; process 0 writes
+`bench_layer_<gpu>x<gpus>_<N>proc[_mps].json` (to --out, else benchmarks/results) with every
+rank's times and the max over ranks. Sharing one GPU these are NOT NVLink figures: all ranks
+share its SMs and HBM.
 
     python benchmarks/bench_layer.py [--quick] [--out DIR] [--reps N]
     python benchmarks/bench_layer.py --processes N [--quick] [--out DIR] [--reps N]
@@ -776,10 +778,34 @@ PROCESS_MAXVIOS = (1.0, 20.0)
 PROCESS_REPS = 5
 
 
+def process_methods(cfg, mesh, skip: list[str]) -> tuple[dict, dict]:
+    """What `--processes` times, `{name: (jitted step, reps or None)}` in the order to run them
+    (ragged_a2a_dot last, as in the single-process mode: its NCCL fallback can hang), and why the
+    others are left out. Where XLA's collectives work between the ranks every method takes the
+    single-process mode's `training_step`; on one shared GPU only moe_ffn runs, each rank pulling
+    back its own d_out (`per_rank_training_step`)."""
+    own = f"moonep_{cfg.implementation}"
+    if not _processes.collectives_work():
+        return ({own: (per_rank_training_step(moonep_layer(cfg), mesh), None)},
+                _processes.skipped_methods(("a2a_pad_gmm", "ragged_a2a_dot"),
+                                           _processes.NCCL_REFUSES))
+    skipped = _processes.untimed_implementation()
+    gemm = cuda_grouped_matmul() if cfg.implementation == "cuda" else ragged_dot_gemm
+    methods = {own: (training_step(moonep_layer(cfg), mesh), None),
+               "a2a_pad_gmm": (training_step(a2a_pad_layer(cfg, gemm), mesh), None),
+               "ragged_a2a_dot": (training_step(ragged_a2a_layer(cfg), mesh), 1)}
+    for name in skip:
+        skipped[name] = f"skipped on request (--skip): {SKIP_REASONS.get(name, 'no reason given')}"
+        methods.pop(name, None)
+    return methods, skipped
+
+
 def run_ranks(args) -> None:
-    """One EP rank of `--processes N` (every process of the launched job runs this): moe_ffn
-    forward + backward (CUDA; xla on CPU) timed on this rank at each maxvio; process 0 gathers
-    every rank's times and writes the record after each point."""
+    """One EP rank of `--processes N` (every process of the launched job runs this): each method's
+    forward + backward timed on this rank at each maxvio, one method after another (compiled once,
+    freed before the next); process 0 gathers every rank's times and writes the record after each
+    point. A method that raises is recorded as failed and not run again; one that hangs (a
+    collective that never completes) ends the job after its watchdog, its point recorded."""
     mesh = _processes.ep_mesh()
     R, rank, first = mesh.size, _processes.my_rank(mesh), jax.process_index() == 0
     impl = _processes.implementation()
@@ -788,59 +814,98 @@ def run_ranks(args) -> None:
     cfg = moonep_jax.EPConfig(num_experts=shape.E, top_k=shape.K, tokens_per_rank=shape.S,
                               hidden=shape.H, ffn_hidden=shape.F, num_ranks=R,
                               implementation=impl, cuda=_processes.cuda_options())
-    method = f"moonep_{impl}"
-    skipped = _processes.skipped_methods(("a2a_pad_gmm", "ragged_a2a_dot"))
+    methods, skipped = process_methods(cfg, mesh, args.skip)
+    collective = _processes.collectives_work()
     reps = args.reps or PROCESS_REPS
-    record = {"schema": "moonep_jax.bench_layer_processes/2", **_processes.provenance(R),
+    record = {"schema": "moonep_jax.bench_layer_processes/3", **_processes.provenance(R),
               "shape": dataclasses.asdict(shape), "dtype": "bfloat16", "num_ranks": R,
               "implementation": impl, "nvs": cfg.nvs, "prefetch_slots": cfg.num_slots,
               "reps": reps, "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
-              "step": "jax.jit(jax.shard_map) of jax.vjp of the layer, each rank pulling back its "
-                      "d_out (= the gradients of sum(out * d_out)) w.r.t. x, topk_w, w_gate_up, "
-                      "w_down",
-              "methods": [method], "skipped_methods": skipped,
+              "step": ("jax.value_and_grad of sum(out * d_out) w.r.t. x, topk_w, w_gate_up, "
+                       "w_down (the single-process mode's step)" if collective else
+                       "jax.jit(jax.shard_map) of jax.vjp of the layer, each rank pulling back its "
+                       "d_out (= the gradients of sum(out * d_out)) w.r.t. x, topk_w, w_gate_up, "
+                       "w_down"),
+              "methods": list(methods), "skipped_methods": skipped,
               "not_measured": {"prefetch": "prefetch bandwidth: single-process runs only"},
               "points": []}
     stem = _processes.stem("bench_layer", R, args.quick)
     outs = [args.out] if args.out else [pathlib.Path(__file__).parent / "results"]
-    if first:
-        print(f"bench_layer --processes {R}: {record['process_layout']}, shape {shape}, {impl}, "
-              f"B={cfg.num_slots}\n  NOTE: {record['timing_note']}", flush=True)
-    x, topk_w, w_gate_up, w_down, d_out = _processes.draw_on_rank(
-        mesh, rank, lambda key: draw_inputs(key, shape, shape.S, shape.E // R))
-    step, compiled, memory = per_rank_training_step(moonep_layer(cfg), mesh), None, None
-    barrier = _processes.barrier("bench_layer")
-    for i, maxvio in enumerate(args.maxvios):
-        topk_idx, sigma, realised = routing.lognormal_for_maxvio(
-            jax.random.key(1234), R, shape.S, shape.K, shape.E, maxvio)
-        topk_idx = _processes.put(mesh, np.asarray(topk_idx).reshape(R * shape.S, shape.K))
-        step_args = (x, topk_idx, topk_w, w_gate_up, w_down, d_out)
-        if compiled is None:  # shapes do not depend on maxvio: one compile
-            t0 = time.perf_counter()
-            compiled = _processes.compiled_together(step, step_args, barrier)
-            memory = memory_of(compiled)
-            if first:
-                print(f"compiled in {time.perf_counter() - t0:.0f} s", flush=True)
-        times = _common.time_calls(compiled, step_args, reps, barrier)
-        everyone = _processes.gather(f"bench_layer/point{i}", {"rank": rank, "times_ms": times,
-                                                               "memory": memory})
-        if not first:
-            continue
-        per_rank = sorted(({"rank": v["rank"], "times_ms": v["times_ms"],
-                            "median_ms": float(np.median(v["times_ms"])), "memory": v["memory"]}
-                           for v in everyone), key=lambda v: v["rank"])
-        result = {"method": method, "status": "ok", **_processes.across_ranks(per_rank),
-                  "memory_source": "compiled.memory_analysis() per device"}
-        record["points"].append({"maxvio_target": maxvio, "maxvio_measured": realised,
-                                 "sigma": sigma, "results": [result]})
+
+    def write():
         for out in outs:
             _common.write_json(out / f"{stem}.json", record)
-        print(f"maxvio {maxvio:5.1f} {method} fwd+bwd: max over ranks {result['median_ms']:9.3f} "
-              f"ms (per rank {', '.join(f'{t:.3f}' for t in result['median_ms_per_rank'])})",
-              flush=True)
+
+    if first:
+        print(f"bench_layer --processes {R}: {record['process_layout']}, shape {shape}, {impl}, "
+              f"B={cfg.num_slots}, methods {', '.join(methods)}\n  NOTE: "
+              f"{record['timing_note']}", flush=True)
+    x, topk_w, w_gate_up, w_down, d_out = _processes.draw_on_rank(
+        mesh, rank, lambda key: draw_inputs(key, shape, shape.S, shape.E // R))
+    routings = []
+    for maxvio in args.maxvios:
+        topk_idx, sigma, realised = routing.lognormal_for_maxvio(
+            jax.random.key(1234), R, shape.S, shape.K, shape.E, maxvio)
+        routings.append(_processes.put(mesh, np.asarray(topk_idx).reshape(R * shape.S, shape.K)))
+        record["points"].append({"maxvio_target": maxvio, "maxvio_measured": realised,
+                                 "sigma": sigma, "results": []})
+    barrier = _processes.barrier("bench_layer")
+    for name, (step, method_reps) in methods.items():
+        # Dropping the previous method's executable here frees it before this one compiles.
+        compiled, memory, failure = None, None, None
+        for i, (topk_idx, point) in enumerate(zip(routings, record["points"])):
+            def expire(name=name, point=point):
+                if first:
+                    point["results"].append({"method": name, "status": "failed: no result after "
+                                             f"{METHOD_BUDGET_S[name] + RAGGED_HANG_S:.0f} s"})
+                    write()
+                print(f"{name}: hung on rank {rank}; exiting", flush=True)
+                os._exit(0)  # a hung collective cannot be cancelled
+
+            timer = _common.watchdog(METHOD_BUDGET_S[name] + RAGGED_HANG_S, expire)
+            mine = {"rank": rank}
+            if failure is None:
+                step_args = (x, topk_idx, topk_w, w_gate_up, w_down, d_out)
+                try:
+                    if compiled is None:  # shapes do not depend on maxvio: one compile
+                        compiled = _processes.compiled_together(step, step_args, barrier)
+                        memory = memory_of(compiled)
+                    mine.update(times_ms=_common.time_calls(compiled, step_args,
+                                                            method_reps or reps, barrier),
+                                memory=memory)
+                except Exception as e:  # noqa: BLE001  (recorded, not fatal)
+                    failure = f"failed: {type(e).__name__}: {str(e)[:400]}"
+            timer.cancel()
+            mine["status"] = failure or "ok"
+            everyone = _processes.gather(f"bench_layer/{name}/point{i}", mine)
+            if first:
+                point["results"].append(point_result(name, everyone))
+                write()
+                print_result(point, point["results"][-1])
     if first:
         print(f"  NOTE: {record['timing_note']}\nwrote "
               f"{', '.join(str(o / stem) + '.json' for o in outs)}", flush=True)
+
+
+def point_result(name: str, everyone: list[dict]) -> dict:
+    """One method's result at one point from every rank's (status, times): the max over ranks of
+    the medians when all ran, else the first failure."""
+    failed = [v for v in everyone if v["status"] != "ok"]
+    if failed:
+        return {"method": name, "status": f"rank {failed[0]['rank']}: {failed[0]['status']}"}
+    per_rank = sorted(({"rank": v["rank"], "times_ms": v["times_ms"],
+                        "median_ms": float(np.median(v["times_ms"])), "memory": v["memory"]}
+                       for v in everyone), key=lambda v: v["rank"])
+    return {"method": name, "status": "ok", **_processes.across_ranks(per_rank),
+            "memory_source": "compiled.memory_analysis() per device"}
+
+
+def print_result(point: dict, result: dict) -> None:
+    outcome = (f"max over ranks {result['median_ms']:9.3f} ms (per rank "
+               f"{', '.join(f'{t:.3f}' for t in result['median_ms_per_rank'])})"
+               if result["status"] == "ok" else result["status"][:160])
+    print(f"maxvio {point['maxvio_target']:5.1f} {result['method']:15s} fwd+bwd: {outcome}",
+          flush=True)
 
 
 def plan_tile_m() -> int:
@@ -881,7 +946,8 @@ def main():
     parser.add_argument("--processes", type=int, default=1,
                         help="one EP rank per process, N local processes (one GPU each where "
                              "the host has N, at RECORD; else all sharing GPU 0 under MPS at "
-                             "PROCESS_SHAPE: not NVLink figures); times moonep's fwd+bwd only")
+                             "PROCESS_SHAPE: not NVLink figures); the baselines too where "
+                             "XLA's collectives work between the ranks (not on one shared GPU)")
     args = parser.parse_args()
     if args.command_buffers:  # before the first jax.devices(): XLA reads its flags at start-up
         os.environ["XLA_FLAGS"] = " ".join(
@@ -891,7 +957,12 @@ def main():
         return
     if args.processes > 1:
         args.maxvios = PROCESS_MAXVIOS
-        _processes.spawn(__file__, "run_ranks", args.processes, args)
+        # The baselines' budgets on top where they run (their compiles at the record shape).
+        baselines = ("a2a_pad_gmm", "ragged_a2a_dot")
+        extra_s = (sum(METHOD_BUDGET_S[b] for b in baselines if b not in args.skip)
+                   if _processes.collectives_work(_processes.placement(args.processes)) else 0.0)
+        _processes.spawn(__file__, "run_ranks", args.processes, args,
+                         timeout_s=_processes.JOB_TIMEOUT_S + extra_s)
         return
     if args.one_gpu or args.ncu or len(jax.devices()) == 1:
         main_one_gpu(args)

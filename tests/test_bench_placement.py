@@ -8,7 +8,10 @@ import contextlib
 import sys
 from pathlib import Path
 
+import jax
 import pytest
+
+import moonep_jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import _processes  # noqa: E402
@@ -102,3 +105,45 @@ def test_a_rank_without_the_parents_placement_fails_clearly(monkeypatch):
     monkeypatch.delenv(_processes.PLACEMENT_ENV, raising=False)
     with pytest.raises(RuntimeError, match=_processes.PLACEMENT_ENV):
         _processes.my_placement()
+
+
+def _layer_methods(monkeypatch, where: str, skip: list[str]):
+    import bench_layer
+
+    monkeypatch.setenv(_processes.PLACEMENT_ENV, where)
+    mesh = jax.make_mesh((2,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:2])
+    cfg = moonep_jax.EPConfig(num_experts=8, top_k=2, tokens_per_rank=16, hidden=32,
+                              ffn_hidden=16, num_ranks=2, implementation="xla")
+    return bench_layer, *bench_layer.process_methods(cfg, mesh, skip)
+
+
+@pytest.mark.parametrize("where", ["gpu_each", "cpu"])
+def test_bench_layer_ranks_time_the_baselines_where_xlas_collectives_work(monkeypatch, where):
+    bench_layer, methods, skipped = _layer_methods(monkeypatch, where, [])
+    assert list(methods) == ["moonep_xla", "a2a_pad_gmm", "ragged_a2a_dot"]  # ragged last
+    assert [reps for _, reps in methods.values()] == [None, None, 1]
+    assert skipped == {"moonep_cuda": "needs the CUDA extension and a GPU"}
+    _, methods, skipped = _layer_methods(monkeypatch, where, ["ragged_a2a_dot"])
+    assert list(methods) == ["moonep_xla", "a2a_pad_gmm"]
+    assert skipped["ragged_a2a_dot"].startswith("skipped on request (--skip)")
+
+
+def test_bench_layer_ranks_sharing_a_gpu_time_moe_ffn_alone(monkeypatch):
+    _, methods, skipped = _layer_methods(monkeypatch, "one_gpu", [])
+    assert list(methods) == ["moonep_xla"]
+    assert skipped["a2a_pad_gmm"] == skipped["ragged_a2a_dot"] == _processes.NCCL_REFUSES
+
+
+@pytest.mark.parametrize("gpus, skip, baselines", [
+    (1, [], ()), (2, [], ("a2a_pad_gmm", "ragged_a2a_dot")),
+    (2, ["--skip", "ragged_a2a_dot"], ("a2a_pad_gmm",))])
+def test_bench_layer_job_bound_grows_with_the_baselines_it_runs(host, monkeypatch, gpus, skip,
+                                                                baselines):
+    import bench_layer
+
+    calls = host(gpus)
+    monkeypatch.setattr(sys, "argv", ["bench_layer.py", "--processes", "2", *skip])
+    bench_layer.main()
+    assert calls[-1]["timeout_s"] == _processes.JOB_TIMEOUT_S + sum(
+        bench_layer.METHOD_BUDGET_S[name] for name in baselines)
