@@ -77,6 +77,7 @@ import functools
 import os
 import pathlib
 import sys
+import threading
 import time
 
 # The weights, their replicas and fp32 gradients of the record shape at EP=2 need most of an
@@ -361,6 +362,27 @@ class Method:
             self.spent_s += time.perf_counter() - t0
         return {**result, "status": "ok", "times_ms": times, "median_ms": float(np.median(times)),
                 "memory": self.memory, "memory_source": "compiled.memory_analysis() per device"}
+
+
+def skipped_on_request(name: str) -> str:
+    """The record's reason for a method left out with --skip."""
+    return f"skipped on request (--skip): {SKIP_REASONS.get(name, 'no reason given')}"
+
+
+def hang_watchdog(name: str, seconds: float, point: dict, write) -> threading.Timer:
+    """A started watchdog for method `name` at `point`: after `seconds` it records the hang there
+    and writes the record (`write`; None in a process that does not write it), then exits the
+    process, since a hung collective cannot be cancelled."""
+
+    def expire():
+        if write is not None:
+            point["results"].append({"method": name,
+                                     "status": f"failed: no result after {seconds:.0f} s"})
+            write()
+        print(f"{name}: no result after {seconds:.0f} s; exiting", flush=True)
+        os._exit(0)
+
+    return _common.watchdog(seconds, expire)
 
 
 def prefetch_bandwidth(mesh, cfg, shape: Shape, topk_idx, w_gate_up, w_down, reps: int) -> dict:
@@ -795,7 +817,7 @@ def process_methods(cfg, mesh, skip: list[str]) -> tuple[dict, dict]:
                "a2a_pad_gmm": (training_step(a2a_pad_layer(cfg, gemm), mesh), None),
                "ragged_a2a_dot": (training_step(ragged_a2a_layer(cfg), mesh), 1)}
     for name in skip:
-        skipped[name] = f"skipped on request (--skip): {SKIP_REASONS.get(name, 'no reason given')}"
+        skipped[name] = skipped_on_request(name)
         methods.pop(name, None)
     return methods, skipped
 
@@ -854,15 +876,8 @@ def run_ranks(args) -> None:
         # Dropping the previous method's executable here frees it before this one compiles.
         compiled, memory, failure = None, None, None
         for i, (topk_idx, point) in enumerate(zip(routings, record["points"])):
-            def expire(name=name, point=point):
-                if first:
-                    point["results"].append({"method": name, "status": "failed: no result after "
-                                             f"{METHOD_BUDGET_S[name] + RAGGED_HANG_S:.0f} s"})
-                    write()
-                print(f"{name}: hung on rank {rank}; exiting", flush=True)
-                os._exit(0)  # a hung collective cannot be cancelled
-
-            timer = _common.watchdog(METHOD_BUDGET_S[name] + RAGGED_HANG_S, expire)
+            timer = hang_watchdog(name, METHOD_BUDGET_S[name] + RAGGED_HANG_S, point,
+                                  write if first else None)
             mine = {"rank": rank}
             if failure is None:
                 step_args = (x, topk_idx, topk_w, w_gate_up, w_down, d_out)
@@ -1002,7 +1017,7 @@ def main():
     methods.append(Method("ragged_a2a_dot", training_step(ragged_a2a_layer(cfg_xla), mesh),
                           METHOD_BUDGET_S["ragged_a2a_dot"], reps=1))
     for name in args.skip:
-        skipped[name] = f"skipped on request (--skip): {SKIP_REASONS.get(name, 'no reason given')}"
+        skipped[name] = skipped_on_request(name)
     methods = [m for m in methods if m.name not in args.skip]
 
     record = {"schema": "moonep_jax.bench_layer/2", **_common.provenance(),
@@ -1040,14 +1055,7 @@ def main():
 
     for method in methods:  # ragged_a2a_dot last: a hang there cannot cost the other methods
         for maxvio, (topk_idx, point) in points.items():
-            def expire(method=method, point=point):
-                point["results"].append({"method": method.name,
-                                         "status": f"failed: no result after {RAGGED_HANG_S} s"})
-                write()
-                print(f"{method.name}: hung; record written, exiting", flush=True)
-                os._exit(0)  # a hung collective cannot be cancelled
-
-            timer = _common.watchdog(RAGGED_HANG_S + method.budget_s, expire)
+            timer = hang_watchdog(method.name, RAGGED_HANG_S + method.budget_s, point, write)
             result = method.run((x, topk_idx, topk_w, w_gate_up, w_down, d_out), args.reps)
             timer.cancel()
             point["results"].append(result)
